@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny random-init Llama (hidden 64, 2 layers) with the real SmolLM2 tokenizer.
+
+The tokenizer comes from the embedded default model's converted folder (converted once per cache directory).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("LORARL_CACHE", str(REPO / ".cache" / "lorarl"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lorarl.model import load_tokenizer
+    from lorarl.models import DEFAULT_MODEL, convert_embedded
+
+    tok = load_tokenizer(str(convert_embedded(DEFAULT_MODEL)))
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct converted folder (converted once)."""
+    from lorarl.models import DEFAULT_MODEL, convert_embedded
+
+    return convert_embedded(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture()
+def tiny_shared(tiny_model_dir):
+    """A SharedBase on the tiny model, fp32 on CPU, no adapters yet."""
+    from lorarl.config import ModelConfig
+    from lorarl.model import SharedBase
+
+    return SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32"))
