@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -269,6 +270,28 @@ class Recipe:
 _NOT_YAML_KEYS = {"source_path"}
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-4`` as a float (YAML 1.2), not as the string PyYAML's YAML 1.1 gives."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
+
+
 def _check(ok: bool, where: str, key: str, message: str) -> None:
     if not ok:
         raise RecipeError(f"{where}: {key} {message}")
@@ -363,7 +386,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not path:
         raise RecipeError(f"override {text!r} has no key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise RecipeError(f"override {text!r}: value is not valid YAML ({e.problem})") from None
     return path, value
@@ -408,7 +431,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"{where}: recipe file not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         loc = f" line {mark.line + 1}" if mark else ""

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("LORARL_CACHE", str(REPO / ".cache" / "lorarl"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

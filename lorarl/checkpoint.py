@@ -1,0 +1,201 @@
+"""Step checkpoints: complete, atomic, resumable.
+
+``DIR/checkpoints/step-NNNNNN/`` holds everything a run needs to continue bit-identically:
+
+- ``<role>/``: each trained adapter in PEFT format (+ ``head.safetensors`` for critic / reward)
+- ``trainer_state.pt``: optimizer and scheduler states, RNG states (python, numpy, torch, cuda), read back with
+  ``torch.load(weights_only=True)`` (no arbitrary pickles)
+- ``state.json``: the loop's own state (step, data position, adaptive-KL value, counters) and ``recipe.yaml``
+
+A checkpoint is written into a temporary folder and renamed into place, so a kill at any moment leaves the previous
+checkpoint intact; ``COMPLETE`` is the last file written. Only the newest ``keep_last`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from lorarl.errors import LorarlError
+
+STEP_RE = re.compile(r"^step-(\d{6,})$")
+MARKER = "COMPLETE"
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.asarray(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_to_saveable(state: dict) -> dict:
+    """RNG states as tensors / lists / ints only, so torch.load(weights_only=True) reads them back."""
+    py = state["python"]
+    np_state = state["numpy"]
+    out = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)), *[_plain(x) for x in np_state[2:]]],
+        "torch": state["torch"],
+    }
+    if "cuda" in state:
+        out["cuda"] = state["cuda"]
+    return out
+
+
+def _plain(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _rng_from_saved(saved: dict) -> dict:
+    np_state = saved["numpy"]
+    out = {
+        "python": saved["python"],
+        "numpy": (np_state[0], np_state[1].numpy().astype(np.uint32), *np_state[2:]),
+        "torch": saved["torch"],
+    }
+    if "cuda" in saved:
+        out["cuda"] = saved["cuda"]
+    return out
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first (half-written temp folders and folders without COMPLETE are ignored)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    cps = list_checkpoints(run_dir)
+    return cps[-1] if cps else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    shared,
+    roles: list[str],
+    optimizers: dict,
+    schedulers: dict,
+    state: dict,
+    recipe=None,
+    keep_last: int = 2,
+) -> Path:
+    """Write ``DIR/checkpoints/step-NNNNNN`` atomically and prune to the newest ``keep_last``; return its path."""
+    from lorarl.config import recipe_to_dict
+
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root))
+    try:
+        for role in roles:
+            shared.save_adapter(role, tmp / role)
+        trainer_state = {
+            "optimizers": {k: v.state_dict() for k, v in optimizers.items()},
+            "schedulers": {k: v.state_dict() for k, v in schedulers.items() if v is not None},
+            "rng": _rng_to_saveable(rng_state()),
+        }
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "roles": roles, **state}, indent=2))
+        if recipe is not None:
+            (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        with open(tmp / MARKER, "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it atomically
+            trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=root))
+            os.replace(final, trash / "x")
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".step-*.tmp-*"):  # left by a run killed mid-write
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, shared, optimizers: dict, schedulers: dict) -> dict:
+    """Restore adapters and heads in place, optimizer / scheduler / RNG states; return the loop's ``state``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from lorarl.model import HEAD_FILE
+
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise LorarlError(f"{path}: not a complete checkpoint (no {MARKER} file)")
+    state = json.loads((path / "state.json").read_text())
+    for role in state["roles"]:
+        weights = load_file(str(path / role / "adapter_model.safetensors"), device=str(shared.device))
+        result = set_peft_model_state_dict(shared.peft, weights, adapter_name=role)
+        missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+        if missing:
+            raise LorarlError(f"{path / role}: weights do not match adapter {role!r} ({missing[0]} ...)")
+        if role in shared.heads and (path / role / HEAD_FILE).is_file():
+            shared.load_head(role, path / role / HEAD_FILE)
+    trainer_state = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    for k, opt in optimizers.items():
+        opt.load_state_dict(trainer_state["optimizers"][k])
+    for k, sch in schedulers.items():
+        if sch is not None and k in trainer_state["schedulers"]:
+            sch.load_state_dict(trainer_state["schedulers"][k])
+    set_rng_state(_rng_from_saved(trainer_state["rng"]))
+    return state

@@ -1,0 +1,190 @@
+"""``lorarl`` command line: models, train, eval, chat, export, bench, plan.
+
+User errors (recipe, data, files) print one line and exit with code 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from lorarl.errors import LorarlError
+
+
+def _print_json_last(result: dict) -> None:
+    """The last stdout line of eval / bench is one JSON object (scripts parse it)."""
+    sys.stdout.flush()
+    print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def cmd_models(args) -> int:
+    from lorarl.models import convert_embedded, list_models
+
+    if args.convert:
+        convert_embedded(args.convert, force=True)
+    rows = list_models()
+    if args.json:
+        _print_json_last({"models": rows})
+        return 0
+    for r in rows:
+        state = "converted" if r["converted"] else ("installed" if r["installed"] else "missing")
+        star = " (default)" if r["default"] else ""
+        print(f"{r['name']}{star}  [{state}]  {r['description']}")
+        print(f"    {r['path']}")
+    print("Also usable as model.name: any local transformers folder, or a hub name where the network allows.")
+    return 0
+
+
+def _algo_module(algo: str):
+    return importlib.import_module(f"lorarl.algos.{algo}")
+
+
+def cmd_train(args) -> int:
+    from lorarl.config import load_recipe
+
+    overrides = list(args.overrides)
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.save_every is not None:
+        overrides.append(f"train.save_every={args.save_every}")
+    recipe = load_recipe(args.recipe, overrides)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        if not args.force:
+            raise LorarlError(f"{out}: run directory is not empty; pass --resume to continue it or --force to start over")
+        import shutil
+
+        shutil.rmtree(out)
+    result = _algo_module(recipe.algo).train(recipe, str(out), resume=args.resume, max_steps=args.max_steps)
+    if isinstance(result, dict):
+        _print_json_last(result)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from lorarl.config import load_recipe
+
+    recipe = load_recipe(args.recipe, list(args.overrides))
+    module = _algo_module(recipe.algo)
+    evaluate = getattr(module, "evaluate", None)
+    if evaluate is None:
+        from lorarl.evaluate import evaluate
+    result = evaluate(recipe, args.checkpoint, n=args.n)
+    _print_json_last(result)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from lorarl.export import export
+
+    result = export(args.run, args.out, fmt=args.format, dtype=args.dtype, force=args.force, checkpoint=args.checkpoint)
+    _print_json_last(result)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from lorarl.chat import launch
+
+    launch(runs_dir=args.runs, host=args.host, port=args.port, model=args.model, share=False)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lorarl.bench import run_bench
+
+    result = run_bench(args.which, steps=args.steps, model=args.model, out=args.out)
+    _print_json_last(result)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from lorarl.plan import plan_recipe
+
+    result = plan_recipe(args.recipe, budget_gb=args.budget_gb, model_config=args.model_config, overrides=list(args.overrides))
+    _print_json_last(result)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lorarl", description="Parameter-efficient RL fine-tuning on one GPU.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="list the models lorarl can use offline")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    m.add_argument("--convert", metavar="NAME", help="(re)convert an embedded model into the cache now")
+    m.set_defaults(func=cmd_models)
+
+    t = sub.add_parser("train", help="train with a recipe (GRPO, PPO or reward model)")
+    t.add_argument("recipe", help="recipe YAML file")
+    t.add_argument("--out", required=True, help="run directory")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    t.add_argument("--seed", type=int, default=None, help="overrides train.seed")
+    t.add_argument("--save-every", type=int, default=None, help="overrides train.save_every (step checkpoints)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    t.add_argument("--force", action="store_true", help="delete a non-empty --out and start over")
+    t.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint (or the base) on the recipe's held-out set")
+    e.add_argument("recipe")
+    e.add_argument("--checkpoint", required=True, help="'base', a run directory, or an adapter folder")
+    e.add_argument("--n", type=int, default=None, help="number of held-out examples (default eval.n)")
+    e.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
+    e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="export a run: merged model, adapter, or verl / OpenRLHF hand-off")
+    x.add_argument("run", help="run directory (or a checkpoint folder inside it)")
+    x.add_argument("--out", required=True, help="export folder (written atomically)")
+    x.add_argument("--format", choices=["merged", "adapter", "verl", "openrlhf"], default="merged")
+    x.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    x.add_argument("--checkpoint", default=None, help="a step checkpoint name (step-NNNNNN) instead of the final adapter")
+    x.add_argument("--force", action="store_true", help="replace an existing export folder")
+    x.set_defaults(func=cmd_export)
+
+    c = sub.add_parser("chat", help="chat with the base and trained checkpoints side by side (Gradio)")
+    c.add_argument("--runs", default="runs", help="directory of runs and exports to offer")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=7860)
+    c.add_argument("--model", default=None, help="base model (default: the runs' base, else the embedded default)")
+    c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="side-by-side benchmarks")
+    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory"])
+    b.add_argument("--steps", type=int, default=5)
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--out", default=None, help="folder for the raw per-engine results")
+    b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="predict peak GPU memory of a recipe and pick micro-batch sizes")
+    pl.add_argument("recipe")
+    pl.add_argument("--budget-gb", type=float, default=24.0)
+    pl.add_argument("--model-config", default=None, help="a config.json path or a known model name (e.g. llama-3.1-8b)")
+    pl.add_argument("overrides", nargs="*")
+    pl.set_defaults(func=cmd_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except LorarlError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"lorarl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lorarl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

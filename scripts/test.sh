@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite (pytest). Installs Debian's chromium for the browser test when
+# possible (root + apt-get); the browser test skips with a reason only where chromium cannot be installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "scripts/test.sh: could not install chromium; the browser test will skip"
+fi
+python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -1,0 +1,110 @@
+"""Recipes: validation names the key and the file; overrides; the CLI answers bad input with one line and exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lorarl.config import Recipe, load_recipe, recipe_from_dict, recipe_to_dict
+from lorarl.errors import RecipeError
+
+
+def _write(tmp_path, text, name="r.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize(
+    "text, key, words",
+    [
+        ("grpo:\n  group_sise: 4\n", "grpo.group_sise", "did you mean grpo.group_size"),
+        ("trian:\n  steps: 3\n", "trian", "did you mean train"),
+        ("grpo:\n  group_size: 1\n", "grpo.group_size", "must be >= 2"),
+        ("grpo:\n  clip_eps_low: 0\n", "grpo.clip_eps_low", "must be > 0"),
+        ("grpo:\n  clip_eps_high: -0.1\n", "grpo.clip_eps_high", "must be > 0"),
+        ("train:\n  learning_rate: -1e-4\n", "train.learning_rate", "must be > 0"),
+        ("train:\n  steps: ten\n", "train.steps", "must be int"),
+        ("train:\n  steps: 2.5\n", "train.steps", "must be int"),
+        ("grpo:\n  loss_reduction: mean\n", "grpo.loss_reduction", "must be one of"),
+        ("model:\n  quantization: int8\n", "model.quantization", "must be one of"),
+        ("lora:\n  r: 0\n", "lora.r", "must be >= 1"),
+        ("generation:\n  temperature: 0\n", "generation.temperature", "must be > 0"),
+        ("ppo:\n  critic_lora:\n    rr: 3\n", "ppo.critic_lora.rr", "did you mean ppo.critic_lora.r"),
+        ("rewards:\n  - nam: x\n", "rewards[0].nam", "did you mean"),
+        ("algo: dpo\n", "algo", "must be one of"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_file(tmp_path, text, key, words):
+    path = _write(tmp_path, text)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path)
+    msg = str(e.value)
+    assert str(path) in msg and key in msg and words in msg, msg
+
+
+def test_unreadable_yaml_and_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match=r"r.yaml: line \d+ unreadable YAML"):
+        load_recipe(_write(tmp_path, "train:\n  steps: [1,\n"))
+    with pytest.raises(RecipeError, match="nope.yaml: recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="must be a YAML mapping"):
+        load_recipe(_write(tmp_path, "- 1\n- 2\n", "list.yaml"))
+
+
+def test_overrides_apply_before_validation_and_types_convert(tmp_path):
+    path = _write(tmp_path, "train:\n  steps: 3\ngrpo:\n  kl_coef: 0\n")
+    r = load_recipe(path, ["train.steps=7", "grpo.kl_coef=0.04", "lora.target_modules=[q_proj, v_proj]", "model.init_adapter=null"])
+    assert r.train.steps == 7 and r.grpo.kl_coef == 0.04 and isinstance(r.grpo.kl_coef, float)
+    assert r.lora.target_modules == ["q_proj", "v_proj"]
+    assert r.model.init_adapter is None
+    with pytest.raises(RecipeError, match="grpo.group_size must be >= 2"):
+        load_recipe(path, ["grpo.group_size=1"])
+    with pytest.raises(RecipeError, match="must look like section.key=value"):
+        load_recipe(path, ["grpo.group_size"])
+    with pytest.raises(RecipeError, match="train.micro_batch_size"):
+        load_recipe(path, ["train.micro_batch_size=many"])
+    assert load_recipe(path, ["train.micro_batch_size=auto"]).train.micro_batch_size == "auto"
+
+
+def test_roundtrip_of_resolved_recipe():
+    r = recipe_from_dict({"grpo": {"group_size": 4}, "rewards": [{"name": "numeric_match", "weight": 2}]})
+    again = recipe_from_dict(recipe_to_dict(r))
+    assert again == r
+    assert recipe_to_dict(Recipe())["grpo"]["group_size"] == 8
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "lorarl.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_bad_recipe_is_one_line_exit_2_and_debug_shows_traceback(tmp_path):
+    path = _write(tmp_path, "grpo:\n  group_sise: 4\n")
+    res = _cli("train", str(path), "--out", str(tmp_path / "run"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr
+    assert lines[0].startswith("lorarl: error: ") and "grpo.group_sise" in lines[0] and str(path) in lines[0]
+    res = _cli("--debug", "train", str(path), "--out", str(tmp_path / "run"))
+    assert res.returncode == 2 and "Traceback" in res.stderr
+    res = _cli("eval", str(tmp_path / "missing.yaml"), "--checkpoint", "base")
+    assert res.returncode == 2 and "missing.yaml: recipe file not found" in res.stderr
+
+
+def test_cli_models_lists_the_embedded_default(default_model_dir):
+    res = _cli("models")
+    assert res.returncode == 0, res.stderr
+    assert "smollm2-135m (default)  [converted]" in res.stdout
+    res = _cli("models", "--json")
+    import json
+
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["models"]
+    assert rows[0]["name"] == "smollm2-135m" and rows[0]["converted"] and rows[0]["installed"]
+
+
+def test_every_subcommand_has_help():
+    for sub in ("models", "train", "eval", "export", "chat", "bench", "plan"):
+        res = _cli(sub, "--help")
+        assert res.returncode == 0 and "usage: lorarl " + sub in res.stdout, (sub, res.stderr)
