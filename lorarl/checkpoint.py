@@ -84,6 +84,16 @@ def _rng_from_saved(saved: dict) -> dict:
     return out
 
 
+def _fault_point(step: int, where: str) -> None:
+    """Test hook: ``LORARL_FAULT=save:<step>:<where>`` SIGKILLs this process at that point of a checkpoint write,
+    so tests can show that a kill at any moment leaves the previous checkpoint intact and resume exact."""
+    spec = os.environ.get("LORARL_FAULT")
+    if spec and spec == f"save:{step}:{where}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -138,8 +148,10 @@ def save_checkpoint(
     final = root / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root))
     try:
+        _fault_point(step, "start")
         for role in roles:
             shared.save_adapter(role, tmp / role)
+        _fault_point(step, "adapters")
         trainer_state = {
             "optimizers": {k: v.state_dict() for k, v in optimizers.items()},
             "schedulers": {k: v.state_dict() for k, v in schedulers.items() if v is not None},
@@ -149,6 +161,7 @@ def save_checkpoint(
         (tmp / "state.json").write_text(json.dumps({"step": step, "roles": roles, **state}, indent=2))
         if recipe is not None:
             (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        _fault_point(step, "before_marker")
         with open(tmp / MARKER, "w") as f:
             f.write(str(step))
             f.flush()
@@ -161,6 +174,7 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
+        _fault_point(step, "renamed")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,355 @@
+"""Tests for lorarl.sandbox: honest scoring, and hostile code that must score 0
+within the limits and leave nothing behind.
+
+Hostile tests run in the mode picked on this machine and, when that is
+"namespaces" (root with working ``unshare``), also in the "uid" fallback used
+where namespaces are not allowed (e.g. an unprivileged Docker container).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+
+import pytest
+
+from lorarl import sandbox
+from lorarl.sandbox import (
+    SandboxLimits,
+    code_tests_reward,
+    extract_code,
+    isolation_info,
+    make_code_tests_reward,
+    run_python,
+    run_tests,
+)
+
+FAST = SandboxLimits(
+    wall_seconds=5.0, cpu_seconds=3, memory_mb=256, max_processes=8, max_output_bytes=16384, file_size_mb=4, disk_mb=16
+)
+HOSTILE = SandboxLimits(
+    wall_seconds=2.0, cpu_seconds=1, memory_mb=256, max_processes=8, max_output_bytes=16384, file_size_mb=4, disk_mb=16
+)
+# Process start, kill and clean-up on a loaded two-core machine.
+SLACK = 3.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRINT_CWD = "import os as _os\nprint(_os.getcwd(), flush=True)\n"
+
+
+@pytest.fixture(scope="module")
+def info():
+    return isolation_info()
+
+
+@pytest.fixture(params=["auto", "uid"])
+def mode(request, info):
+    if request.param == "auto":
+        return info["mode"]
+    if info["mode"] != "namespaces":
+        pytest.skip("the automatic mode already is the fallback")
+    return "uid"
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Every SandboxResult produced during the test, in order."""
+    results = []
+    real = sandbox._execute
+
+    def spy(*args, **kwargs):
+        res = real(*args, **kwargs)
+        results.append(res)
+        return res
+
+    monkeypatch.setattr(sandbox, "_execute", spy)
+    return results
+
+
+def _live_harness_processes() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"harness.py" in cmd and state not in ("Z", "X"):
+            pids.append(int(entry))
+    return pids
+
+
+def _assert_clean(results, elapsed: float, limits: SandboxLimits = HOSTILE) -> None:
+    """Within the time limit, no process left, working directory removed."""
+    assert results, "no sandbox run happened"
+    assert elapsed < limits.wall_seconds + SLACK, elapsed
+    for res in results:
+        assert res.wall_seconds < limits.wall_seconds + SLACK
+        if res.sandbox_uid is not None:
+            assert sandbox._pids_of_uid(res.sandbox_uid) == []
+        else:
+            assert _live_harness_processes() == []
+        cwd = res.stdout.splitlines()[0] if res.stdout else ""
+        if cwd.startswith("/"):
+            assert "lorarl_sbx_" in cwd
+            assert not os.path.exists(cwd)
+
+
+def _hostile(code: str, tests: list, mode: str, runs: list) -> float:
+    start = time.monotonic()
+    reward = run_tests(PRINT_CWD + code, tests, HOSTILE, isolation=mode)
+    _assert_clean(runs, time.monotonic() - start)
+    return reward
+
+
+# --------------------------------------------------------------------------
+# extract_code
+
+
+def test_extract_code_takes_last_python_block():
+    text = "Idea:\n```python\nx = 1\n```\nBetter:\n```py\nx = 2\n```\nRun it:\n```bash\nls\n```\n"
+    assert extract_code(text) == "x = 2\n"
+    assert extract_code("```\nprint(1)\n```") == "print(1)\n"
+    assert extract_code("  ```Python\n  y = 3\n  ```  ") == "  y = 3\n"
+
+
+def test_extract_code_without_block():
+    assert extract_code("x = 1") is None
+    assert extract_code("```python\nx = 1\n") is None  # truncated, unclosed
+    assert extract_code("```js\nlet x\n```") is None
+    assert extract_code("x = 1", fallback_raw=True) == "x = 1\n"
+    assert extract_code("   ", fallback_raw=True) is None
+
+
+# --------------------------------------------------------------------------
+# run_python
+
+
+def test_run_python_basics(info):
+    res = run_python(
+        "import os, sys\nprint(input()[::-1])\nprint(os.environ['HOME'] == os.getcwd())\n"
+        "sys.stdout.flush()\nsys.stdout.buffer.write(b'\\xff\\n')\nsys.exit(3)",
+        stdin="abc\n",
+        limits=FAST,
+    )
+    assert res.returncode == 3 and not res.timed_out and res.killed_reason is None
+    assert res.stdout.splitlines() == ["cba", "True", "\ufffd"]
+    assert res.isolation == info["mode"]
+    if info["uid_drop"]:
+        assert res.sandbox_uid not in (None, 0)
+
+
+def test_run_python_scrubbed_environment(monkeypatch):
+    monkeypatch.setenv("LORARL_TEST_SECRET", "s3cr3t")
+    res = run_python("import os\nprint(sorted(os.environ))", limits=FAST)
+    assert res.ok
+    assert "LORARL_TEST_SECRET" not in res.stdout and "s3cr3t" not in res.stdout
+    assert set(eval(res.stdout)) <= {
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "HOME",
+        "TMPDIR",
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    }
+
+
+def test_run_python_file_size_limit():
+    res = run_python("open('big', 'wb').write(b'x' * (5 * 2**20))", limits=FAST)
+    assert res.returncode != 0 and "File too large" in res.stderr
+
+
+def test_isolation_info_is_consistent(info):
+    assert info["mode"] in sandbox.ISOLATION_MODES
+    assert info["uid_drop"] == (os.geteuid() == 0)
+    if info["mode"] == "namespaces":
+        assert info["network_isolated"] and info["pid_namespace"] and info["readonly_fs"]
+
+
+# --------------------------------------------------------------------------
+# run_tests: honest code
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+
+
+def test_correct_solution_scores_one():
+    assert run_tests("def add(a, b):\n    return a + b\n", ADD_TESTS, FAST) == 1.0
+
+
+def test_half_correct_solution_scores_half():
+    assert (
+        run_tests("def add(a, b):\n    return a * b\n", ["assert add(2, 2) == 4", "assert add(1, 2) == 3"], FAST) == 0.5
+    )
+
+
+def test_failing_asserts_do_not_stop_the_others(runs):
+    tests = ["assert f() == 0", "assert f() == 1", "raise ValueError", "assert f() == 1"]
+    assert run_tests("def f():\n    return 1\n", tests, FAST) == 0.5
+    assert len(runs) == 1  # all asserts in one process
+
+
+def test_broken_code_scores_zero(runs):
+    assert run_tests("def add(a, b)\n    return a + b\n", ADD_TESTS, FAST) == 0.0  # syntax error
+    assert run_tests("def add(a, b):\n    return a + b\nraise RuntimeError", ADD_TESTS, FAST) == 0.0
+    assert run_tests("import sys\nsys.exit(2)\ndef add(a, b):\n    return a + b\n", ADD_TESTS, FAST) == 0.0
+    assert run_tests("", ADD_TESTS, FAST) == 0.0
+    assert run_tests("def add(a, b):\n    return a + b\n", [], FAST) == 0.0
+
+
+def test_exit_zero_and_main_guard_still_run_asserts():
+    code = "import sys\ndef add(a, b):\n    return a + b\nif __name__ == '__main__':\n    sys.exit(0)\n"
+    assert run_tests(code, ADD_TESTS, FAST) == 1.0
+
+
+def test_forged_markers_do_not_count():
+    code = "for i in range(3):\n    print(f':{i}')\n    print(f'0:{i}')\n    print(i)\n"
+    assert run_tests(code, ["assert False", "assert False", "assert False"], FAST) == 0.0
+
+
+def test_stdin_stdout_tests():
+    code = "a, b = map(int, input().split())\nprint(a + b)\n"
+    tests = [{"input": "1 2\n", "output": "3"}, {"input": "5 7", "output": "12\n"}]
+    assert run_tests(code, tests, FAST) == 1.0
+    assert run_tests(code, tests + [{"input": "1 1", "output": "3"}, {"bad": "shape"}], FAST) == 0.5
+    assert (
+        run_tests("print(int(input()) * 2)\nraise SystemExit(1)", [{"input": "2", "output": "4"}], FAST) == 0.0
+    )  # right output, non-zero exit
+    assert run_tests("print(", [{"input": "", "output": ""}], FAST) == 0.0
+
+
+def test_mixed_tests():
+    code = (
+        "def double(x):\n    return 2 * x\nif __name__ == '__main__':\n    import sys\n"
+        "    data = sys.stdin.read().split()\n    print(*[double(int(t)) for t in data])\n"
+    )
+    tests = ["assert double(4) == 8", {"input": "1 2 3", "output": "2 4 6"}, "assert double(1) == 3"]
+    assert run_tests(code, tests, FAST) == pytest.approx(2 / 3)
+
+
+# --------------------------------------------------------------------------
+# TRL reward function
+
+
+def test_reward_function_strings_and_conversations():
+    good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    half = "```python\ndef add(a, b):\n    return 3\n```"
+    conversation = [
+        {"role": "assistant", "content": "draft"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": good},
+    ]
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": good}]}]
+    completions = [good, half, "no code here", conversation, parts, good]
+    tests = [ADD_TESTS, ADD_TESTS, ADD_TESTS, ADD_TESTS, '["assert add(2, 2) == 4"]', None]
+    rewards = code_tests_reward(prompts=["p"] * 6, completions=completions, tests=tests)
+    assert rewards == [1.0, 0.5, 0.0, 1.0, 1.0, None]
+    assert code_tests_reward(prompts=["p"], completions=[good]) == [None]
+
+
+def test_reward_function_factory():
+    reward = make_code_tests_reward(FAST, max_workers=1)
+    assert reward.__name__ == "code_tests_reward"
+    assert reward(["p"], ["```\nprint(input())\n```"], tests=[[{"input": "hi", "output": "hi"}]]) == [1.0]
+    with pytest.raises(ValueError):
+        reward(["p"], ["x"], tests=[[], []])
+
+
+# --------------------------------------------------------------------------
+# Hostile code: reward 0, within the limits, nothing left behind.
+
+
+def test_infinite_loop(mode, runs):
+    assert _hostile("while True:\n    pass\n", ["assert True"], mode, runs) == 0.0
+    assert runs[-1].killed_reason in ("cpu_limit", "timeout")
+
+
+def test_wall_clock_timeout(mode, runs):
+    assert _hostile("import time\ntime.sleep(60)\n", ["assert True"], mode, runs) == 0.0
+    assert runs[-1].timed_out
+
+
+@pytest.mark.parametrize(
+    "code", ["x = bytearray(10**10)\n", "x = []\nwhile True:\n    x.append(' ' * 10**6)\n", "print('x' * 10**9)\n"]
+)
+def test_memory_bomb(mode, runs, code):
+    assert _hostile(code, ["assert True"], mode, runs) == 0.0
+    assert "MemoryError" in runs[-1].stderr
+
+
+def test_huge_output(mode, runs):
+    code = "import sys\nfor _ in range(10**4):\n    sys.stdout.write('x' * 10**5)\n"  # 10**9 characters
+    assert _hostile(code, ["assert True"], mode, runs) == 0.0
+    res = runs[-1]
+    assert res.killed_reason == "output_limit" and res.output_truncated
+    assert len(res.stdout.encode()) <= HOSTILE.max_output_bytes
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nwhile True:\n    os.fork()\n",
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n    except OSError:\n        pass\n",
+    ],
+    ids=["plain", "resilient", "setsid"],
+)
+def test_fork_bomb(mode, runs, code):
+    assert _hostile(code, ["assert True"], mode, runs) == 0.0
+
+
+def test_writes_outside_the_working_directory(mode, runs):
+    tag = secrets.token_hex(6)
+    paths = [f"/tmp/lorarl_escape_{tag}", os.path.join(REPO, f"lorarl_escape_{tag}")]
+    code = f"for p in {paths!r}:\n    try:\n        open(p, 'w').write('x')\n    except OSError:\n        pass\n"
+    tests = [f"assert open({p!r}).read() == 'x'" for p in paths]
+    try:
+        reward = _hostile(code, tests, mode, runs)
+        assert not any(os.path.exists(p) for p in paths)
+        if mode == "uid":
+            # Documented: without a mount namespace /tmp is writable during the
+            # run (the file is deleted afterwards); the repository never is.
+            assert reward <= 0.5
+        else:
+            assert reward == 0.0
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_environment_secret_is_not_readable(mode, runs, monkeypatch):
+    monkeypatch.setenv("LORARL_TEST_SECRET", "s3cr3t")
+    code = (
+        "import glob, os\nprint(os.environ.get('LORARL_TEST_SECRET'))\n"
+        "for f in glob.glob('/proc/*/environ'):\n    try:\n        data = open(f, 'rb').read()\n"
+        "    except OSError:\n        continue\n    if b's3cr3t' in data:\n        print('leak', f)\n"
+    )
+    tests = ["import os\nassert os.environ.get('LORARL_TEST_SECRET') == 's3cr3t'"]
+    assert _hostile(code, tests, mode, runs) == 0.0
+    assert "s3cr3t" not in runs[-1].stdout and "leak" not in runs[-1].stdout
+
+
+def test_network(mode, runs):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    try:
+        port = server.getsockname()[1]
+        code = (
+            f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+            "    connected = True\nexcept OSError:\n    connected = False\n"
+        )
+        reward = _hostile(code, ["assert connected"], mode, runs)
+    finally:
+        server.close()
+    if mode in ("namespaces", "userns"):
+        assert reward == 0.0  # own network namespace: no interfaces up
+    else:
+        assert reward == 1.0  # documented: no network isolation in this mode
