@@ -1,0 +1,306 @@
+"""lorarl.chat: the catalog (and what it refuses), one batched generate for all panes, streaming, stop, rewards,
+votes, and the app's API through gradio_client (tiny model, perturbed adapter, greedy so answers are deterministic)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lorarl.chat import (
+    Catalog,
+    ChatEngine,
+    ChatSession,
+    Entry,
+    Sampling,
+    build_app,
+    default_base_model,
+    preference_record,
+)
+from lorarl.config import LoraSettings, ModelConfig
+from lorarl.errors import LorarlError
+from lorarl.model import SharedBase
+
+REPO = Path(__file__).resolve().parents[1]
+USER = [{"role": "user", "content": "What is 2 + 2?"}]
+GREEDY = Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0)
+
+
+def load_tiny(model_dir: Path) -> SharedBase:
+    return SharedBase.load(
+        ModelConfig(name=str(model_dir), quantization="none", dtype="float32", gradient_checkpointing=False)
+    )
+
+
+def make_runs(root: Path, model_dir: Path) -> Path:
+    """A runs directory: run ``demo`` (final adapter, a complete step, an incomplete step, rule rewards), run
+    ``rm`` (a reward adapter with its head), run ``other`` (another base: skipped), a merged export ``merged`` (the
+    base's own weights), and ``evil``, a symlink to a run outside the runs directory."""
+    runs = root / "runs"
+    runs.mkdir(parents=True)
+    sb = load_tiny(model_dir)
+    sb.add_adapter("policy", LoraSettings(r=4, alpha=8))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in sb.adapter_parameters("policy"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)  # strongly perturbed: its answers differ from the base
+    sb.add_adapter("reward", LoraSettings(r=4, alpha=8))  # with a score head
+    recipe = {"algo": "grpo", "model": {"name": str(model_dir)}, "rewards": [{"name": "numeric_match", "weight": 1.0}]}
+
+    demo = runs / "demo"
+    sb.save_adapter("policy", demo / "policy")
+    for step, complete in ((2, True), (4, False)):
+        cp = demo / "checkpoints" / f"step-{step:06d}"
+        sb.save_adapter("policy", cp / "policy")
+        if complete:
+            (cp / "COMPLETE").write_text("")
+    (demo / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+
+    rm = runs / "rm"
+    sb.save_adapter("reward", rm / "reward")
+    (rm / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "algo": "reward_model"}))
+
+    other = runs / "other"
+    sb.save_adapter("policy", other / "policy")
+    (other / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "model": {"name": "someone/another-model"}}))
+
+    shutil.copytree(model_dir, runs / "merged")
+
+    outside = root / "outside-run"
+    sb.save_adapter("policy", outside / "policy")
+    os.symlink(outside, runs / "evil")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    return make_runs(tmp_path_factory.mktemp("chat"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(runs_dir, tiny_model_dir) -> ChatEngine:
+    return ChatEngine(load_tiny(tiny_model_dir), Catalog(runs_dir, str(tiny_model_dir)))
+
+
+# ---- catalog ------------------------------------------------------------------------------------------------------
+
+
+def test_catalog_lists_base_runs_steps_and_exports(runs_dir, tiny_model_dir):
+    cat = Catalog(runs_dir, str(tiny_model_dir))
+    ids = [i for _, i in cat.choices()]
+    assert ids == ["base", "demo/policy", "demo/step-000002", "export:merged"]  # no incomplete step, no `other`
+    assert any("other" in s and "someone/another-model" in s for s in cat.skipped)
+    assert any("evil" in s and "outside" in s for s in cat.skipped)
+    assert sorted(cat.scorers) == ["rm:rm", "rules:demo"]
+    assert cat.get("demo/policy").folder == runs_dir / "demo" / "policy"
+    # without --model, chat loads the base the runs were trained on (ignoring bases that are not available here)
+    assert default_base_model(runs_dir) == str(tiny_model_dir)
+    assert default_base_model(runs_dir / "missing") == "smollm2-135m"
+
+
+@pytest.mark.parametrize(
+    "bad", ["../outside-run/policy", "/etc", "evil/policy", "demo/step-000004", "demo/checkpoints", "", "export:../x"]
+)
+def test_catalog_refuses_anything_it_did_not_find(runs_dir, tiny_model_dir, bad):
+    cat = Catalog(runs_dir, str(tiny_model_dir))
+    with pytest.raises(LorarlError):
+        cat.get(bad)
+
+
+def test_catalog_refuses_a_folder_that_resolves_outside(runs_dir, tiny_model_dir):
+    cat = Catalog(runs_dir, str(tiny_model_dir))
+    sneaky = Entry("demo/policy", "adapter", "x", runs_dir / "evil" / "policy", "demo")
+    with pytest.raises(LorarlError, match="outside"):
+        cat.folder(sneaky)
+
+
+# ---- generation ---------------------------------------------------------------------------------------------------
+
+
+def _reference(shared: SharedBase, adapter: str | None, max_new: int) -> list[int]:
+    """The same prompt answered alone, by switching the active role (no per-row adapter batch)."""
+    from lorarl.chat import render_prompt
+
+    ids = shared.tokenizer(render_prompt(shared.tokenizer, USER), add_special_tokens=False, return_tensors="pt")
+    with shared.role(adapter or "base"):
+        out = shared.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens=max_new, do_sample=False)
+    gen = out[0, ids["input_ids"].shape[1] :].tolist()
+    eos = shared.tokenizer.eos_token_id
+    return gen[: gen.index(eos)] if eos in gen else gen
+
+
+def test_one_batch_answers_every_pane_like_separate_runs(engine, monkeypatch):
+    groups = []
+    real = ChatEngine._generate_group
+
+    def spy(self, model, tok, names, rows, *args):
+        groups.append((list(rows), names))
+        return real(self, model, tok, names, rows, *args)
+
+    monkeypatch.setattr(ChatEngine, "_generate_group", spy)
+    updates: dict[int, list[str]] = {}
+    panes = ["base", "demo/policy", "export:merged", "demo/step-000002"]
+    assert "export:merged" not in engine.loaded()["exports"]  # merged exports load only when chosen
+    answers = engine.generate(panes, [USER] * 4, GREEDY, on_update=lambda i, t: updates.setdefault(i, []).append(t))
+    # base and both adapters in ONE generate call with per-row adapter names; the export in its own batch
+    assert [g[0] for g in groups] == [[0, 1, 3], [2]]
+    names = groups[0][1]
+    assert names[0] == "__base__" and names[1] != names[2] and all(n.isidentifier() for n in names)
+    assert engine.loaded()["exports"] == ["export:merged"]
+    base, tuned, export, step = answers
+    assert base.token_ids == _reference(engine.shared, None, 12)
+    assert tuned.token_ids == _reference(engine.shared, names[1], 12)
+    assert export.token_ids == base.token_ids  # the export holds the base's weights
+    assert step.token_ids == tuned.token_ids  # the step checkpoint holds the same adapter weights
+    assert tuned.text != base.text
+    # streamed: each pane's text grew step by step to its final answer
+    for i, a in enumerate(answers):
+        assert updates[i][-1] == a.text
+        assert len(updates[i]) >= 2
+    # a second request reuses the loaded adapters (loaded once)
+    n_adapters = len(engine.shared.adapters)
+    engine.generate(["demo/policy"], [USER], GREEDY)
+    assert len(engine.shared.adapters) == n_adapters
+
+
+def test_seed_makes_sampling_reproducible(engine):
+    s = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    a = [x.token_ids for x in engine.generate(["base", "demo/policy"], [USER] * 2, s)]
+    b = [x.token_ids for x in engine.generate(["base", "demo/policy"], [USER] * 2, s)]
+    assert a == b
+
+
+def test_stop_flag_ends_generation_early(engine):
+    stop = threading.Event()
+    answers = engine.generate(
+        ["base", "demo/policy"],
+        [USER] * 2,
+        Sampling(temperature=0.0, top_p=1.0, max_new_tokens=200, seed=0),
+        stop=stop,
+        on_update=lambda i, t: stop.set(),
+    )
+    assert all(len(a.token_ids) < 10 and not a.finished for a in answers)
+
+
+def test_sampling_is_validated(engine):
+    for bad in (Sampling(temperature=-1), Sampling(top_p=0), Sampling(max_new_tokens=0)):
+        with pytest.raises(LorarlError):
+            engine.generate(["base"], [USER], bad)
+
+
+# ---- rewards ------------------------------------------------------------------------------------------------------
+
+
+def test_rewards_from_rules_and_reward_adapter(engine):
+    answers = engine.generate(["base", "demo/policy"], [USER] * 2, GREEDY)
+    assert engine.score("none", [USER] * 2, answers) is None
+    answers[0].text = "2 + 2 = 4"
+    rules = engine.score("rules:demo", [USER] * 2, answers, {"answer": "4"})
+    assert [r.total for r in rules] == [1.0, 0.0]
+    assert rules[0].parts == {"numeric_match": 1.0}
+    missing = engine.score("rules:demo", [USER] * 2, answers, {})  # numeric_match needs the `answer` column
+    assert missing[0].total is None and "answer" in missing[0].error
+    rm = engine.score("rm:rm", [USER] * 2, answers)
+    assert all(isinstance(r.total, float) and r.total == r.total for r in rm)
+    assert rm[0].total != rm[1].total
+    with pytest.raises(LorarlError):
+        engine.score("rm:../outside-run", [USER] * 2, answers)
+
+
+# ---- votes --------------------------------------------------------------------------------------------------------
+
+
+def test_votes_are_saved_as_trl_preference_pairs(engine, tmp_path):
+    prefs = tmp_path / "preferences.jsonl"
+    session = ChatSession(engine, prefs, tmp_path / "preferences_ties.jsonl")
+    left = USER + [{"role": "assistant", "content": "4"}]
+    right = USER + [{"role": "assistant", "content": "5"}]
+    session.vote("left", "Be brief.", left, right, "demo/policy", "base")
+    session.vote("right", "", left, right, "demo/policy", "base")
+    session.vote("tie", "", left, right, "demo/policy", "base")
+    rows = [json.loads(line) for line in prefs.read_text().splitlines()]
+    assert rows[0]["prompt"] == [{"role": "system", "content": "Be brief."}] + USER
+    assert rows[0]["chosen"] == [{"role": "assistant", "content": "4"}]
+    assert rows[0]["rejected"] == [{"role": "assistant", "content": "5"}]
+    assert (rows[0]["chosen_model"], rows[0]["rejected_model"]) == ("demo/policy", "base")
+    assert rows[1]["prompt"] == USER and rows[1]["chosen"][0]["content"] == "5" and rows[1]["chosen_model"] == "base"
+    assert len(rows) == 2  # the tie went to its own file
+    (tie,) = [json.loads(line) for line in (tmp_path / "preferences_ties.jsonl").read_text().splitlines()]
+    assert tie["tie"] is True and tie["chosen"][0]["content"] == "4"
+
+    from lorarl.preferences import load_preferences
+
+    pairs = load_preferences(str(prefs), engine.shared.tokenizer)  # ready for recipes/reward_model.yaml
+    assert len(pairs) == 2
+
+
+def test_votes_need_a_shared_prompt_and_answers():
+    a = USER + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
+    left = a + [{"role": "assistant", "content": "6"}]
+    right = USER + [{"role": "assistant", "content": "four"}, {"role": "user", "content": "and 3+3?"}]
+    right += [{"role": "assistant", "content": "7"}]
+    with pytest.raises(LorarlError, match="differ"):
+        preference_record("", left, right, "a", "b", "left")
+    with pytest.raises(LorarlError, match="no answer"):
+        preference_record("", USER, left, "a", "b", "left")
+    record, tie = preference_record(
+        "", left, list(left[:-1]) + [{"role": "assistant", "content": "7"}], "a", "b", "right"
+    )
+    assert not tie and record["prompt"] == a and record["chosen"][0]["content"] == "7"
+
+
+# ---- the app's API through gradio_client --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gradio_client_calls_the_app_api(runs_dir, engine):
+    from gradio_client import Client
+
+    demo = build_app(runs_dir, shared=engine.shared)
+    demo.queue().launch(server_name="127.0.0.1", server_port=_free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(demo.local_url, verbose=False)
+        listed = client.predict(api_name="/checkpoints")
+        assert [c["id"] for c in listed] == ["base", "demo/policy", "demo/step-000002", "export:merged"]
+        assert [r["id"] for r in client.predict(api_name="/rewards")] == ["none", "rm:rm", "rules:demo"]
+        args = ("What is 2 + 2?", ["base", "demo/policy"], "", 0.0, 1.0, 12, 0, "rules:demo", '{"answer": "4"}')
+        first = client.predict(*args, api_name="/respond")
+        assert first["panes"] == ["base", "demo/policy"]
+        assert first["answers"][0] != first["answers"][1]
+        assert len(first["rewards"]) == 2
+        assert client.predict(*args, api_name="/respond") == first  # greedy: deterministic
+        direct = engine.generate(["base", "demo/policy"], [USER] * 2, GREEDY)
+        assert first["answers"] == [a.text for a in direct]
+        with pytest.raises(Exception, match="unknown checkpoint"):
+            client.predict("hi", ["../outside-run/policy"], api_name="/respond")
+    finally:
+        demo.close()
+    assert not (runs_dir / "preferences.jsonl").exists()
+
+
+# ---- entry points -------------------------------------------------------------------------------------------------
+
+
+def test_entry_points_use_the_public_api():
+    from lorarl.cli import build_parser
+
+    args = build_parser().parse_args(["chat"])
+    assert (args.runs, args.host, args.port) == ("runs", "127.0.0.1", 7860)
+    tree = ast.parse((REPO / "apps" / "chat.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("lorarl")} == {"lorarl.chat"}
+    assert "127.0.0.1" in (REPO / "apps" / "chat.py").read_text()
