@@ -1,0 +1,314 @@
+"""Preference pairs for the Bradley-Terry reward model: reading, validating and tokenizing TRL's format.
+
+Rows follow TRL's preference format, in any of its four shapes:
+
+* plain, explicit prompt:          ``{"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"}``
+* plain, implicit prompt:          ``{"chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5"}``
+* conversational, explicit prompt: ``{"prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+  "chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]}``
+* conversational, implicit prompt: ``{"chosen": [user message, assistant message], "rejected": [user, assistant]}``
+  (the messages the two share at the start are the prompt).
+
+An optional numeric ``margin`` column is read when ``reward_model.margin`` is on (Llama 2's margin loss).
+
+Where pairs come from (``data.source`` / ``data.eval_source`` of a reward-model recipe):
+
+* ``pkg:NAME`` -- a file shipped inside lorarl, ``lorarl/data/NAME`` (``pkg:prefs_arith_train.jsonl``);
+* a ``.jsonl`` file -- a relative path is looked up beside the recipe file first, then in the current directory;
+* a folder written by ``datasets``' ``save_to_disk`` (a ``DatasetDict``'s ``train`` split for training and its
+  ``test`` / ``validation`` / ``eval`` split for evaluation when no ``eval_source`` is given).
+
+Tokenization matches what PPO scores, token for token: the prompt is rendered exactly as the rollout renders it
+(:func:`lorarl.data.prompt_text`: the chat template with the generation prompt, the recipe's system prompt), and the
+response is its text's tokens followed by one EOS -- what a finished sampled completion is. The score is read at
+that EOS (the last non-pad token, located with the attention mask).
+
+Every problem raises :class:`~lorarl.errors.DataError` naming the source, the row index and the column, or (with
+``data.on_bad_row: skip``) drops the row and lists it in :attr:`PreferenceSet.skipped`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lorarl.errors import DataError
+
+PKG_PREFIX = "pkg:"
+Split = Literal["train", "eval"]
+
+__all__ = [
+    "PKG_PREFIX",
+    "PreferenceSet",
+    "resolve_source",
+    "read_rows",
+    "normalize_pair",
+    "load_preferences",
+    "encode_pair",
+    "encode_response",
+    "pad_batch",
+]
+
+
+@dataclass
+class PreferenceSet:
+    """The usable pairs of one split.
+
+    pairs:    normalised rows ``{"prompt": str | messages | None, "chosen": ..., "rejected": ..., "margin": float |
+              None, "columns": {other columns}}``; ``chosen`` / ``rejected`` hold only the response (a string or a
+              list of messages).
+    chosen_ids, rejected_ids: ``[n]`` token-id lists (prompt + response + EOS), filled by :func:`load_preferences`
+              when a tokenizer is given.
+    skipped:  ``[(row index, reason)]`` rows dropped with ``on_bad_row: skip`` (or longer than ``max_length``).
+    source:   where the rows came from.
+    """
+
+    pairs: list[dict]
+    chosen_ids: list[list[int]] = field(default_factory=list)
+    rejected_ids: list[list[int]] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def margins(self, indices: list[int]) -> Tensor | None:
+        """``[b]`` margins of rows ``indices`` (0 where a row has none), or None when no row of the set has one."""
+        if not any(p["margin"] is not None for p in self.pairs):
+            return None
+        return torch.tensor([self.pairs[i]["margin"] or 0.0 for i in indices], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the rows are
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def resolve_source(source: str, base_dir: str | Path | None = None) -> Path:
+    """``pkg:NAME`` -> lorarl's ``data/NAME``; a relative path -> beside ``base_dir`` (the recipe's folder) if it
+    exists there, else relative to the current directory. Raises DataError when nothing is there."""
+    if source.startswith(PKG_PREFIX):
+        name = source[len(PKG_PREFIX) :].lstrip("/")
+        path = Path(str(resources.files("lorarl") / "data" / name))
+        if not path.exists():
+            shipped = sorted(p.name for p in Path(str(resources.files("lorarl") / "data")).glob("*.jsonl"))
+            raise DataError(f"{source}: no such file shipped with lorarl (shipped: {', '.join(shipped) or 'none'})")
+        return path
+    path = Path(source).expanduser()
+    if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).exists():
+        return Path(base_dir) / path
+    if not path.exists():
+        raise DataError(f"preference source {source}: no such file or folder")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not valid JSON ({e.msg})") from None
+    return rows
+
+
+def read_rows(source: str, split: Split = "train", base_dir: str | Path | None = None) -> tuple[list[Any], str]:
+    """The raw rows of a preference source (see the module docstring) and a description of where they came from."""
+    path = resolve_source(source, base_dir)
+    if path.is_dir():
+        from lorarl.data import _read_datasets_folder
+
+        return _read_datasets_folder(path, split), str(path)
+    if path.suffix != ".jsonl":
+        raise DataError(f"preference source {source}: expected a .jsonl file, a datasets folder or pkg:NAME")
+    return _read_jsonl(path), str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_messages(x: Any) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def _check_messages(messages: Any, i: int, column: str) -> list[dict]:
+    if not messages:
+        raise DataError(f"row {i}: column '{column}' is an empty message list")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"row {i}: column '{column}' message {j} must be a mapping with 'role' and 'content'")
+        if not isinstance(m["content"], str):
+            raise DataError(f"row {i}: column '{column}' message {j} content must be a string")
+        out.append({"role": str(m["role"]), "content": m["content"]})
+    return out
+
+
+def _check_text(x: Any, i: int, column: str) -> str:
+    if not isinstance(x, str):
+        raise DataError(
+            f"row {i}: column '{column}' must be a string or a list of chat messages, got {type(x).__name__}"
+        )
+    if not x.strip():
+        raise DataError(f"row {i}: column '{column}' is empty")
+    return x
+
+
+def normalize_pair(row: Any, i: int) -> dict:
+    """One raw row -> ``{"prompt", "chosen", "rejected", "margin"}`` with the response alone in chosen / rejected.
+
+    Raises DataError naming row ``i`` and the column when the row is unusable.
+
+    Example: ``{"chosen": [u, a1], "rejected": [u, a2]}`` -> ``{"prompt": [u], "chosen": [a1], "rejected": [a2],
+    "margin": None, "columns": {}}``.
+    """
+    if not isinstance(row, dict):
+        raise DataError(f"row {i} is not a JSON object")
+    for col in ("chosen", "rejected"):
+        if col not in row or row[col] is None:
+            raise DataError(f"row {i}: column '{col}' is missing")
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    conversational = _is_messages(chosen)
+    if _is_messages(rejected) != conversational:
+        raise DataError(
+            f"row {i}: column 'rejected' must have the same format as 'chosen' (both strings or both messages)"
+        )
+    if conversational:
+        chosen = _check_messages(chosen, i, "chosen")
+        rejected = _check_messages(rejected, i, "rejected")
+        if prompt is None:  # implicit prompt: the shared leading messages
+            k = 0
+            while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+                k += 1
+            if k == 0:
+                raise DataError(
+                    f"row {i}: column 'prompt' is missing and 'chosen' / 'rejected' share no leading message"
+                )
+            prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+        elif not _is_messages(prompt):
+            raise DataError(f"row {i}: column 'prompt' must be a list of messages when 'chosen' is")
+        else:
+            prompt = _check_messages(prompt, i, "prompt")
+        for col, msgs in (("chosen", chosen), ("rejected", rejected)):
+            if msgs[-1]["role"] != "assistant":
+                raise DataError(f"row {i}: column '{col}' must end with an assistant message")
+    else:
+        chosen = _check_text(chosen, i, "chosen")
+        rejected = _check_text(rejected, i, "rejected")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise DataError(f"row {i}: column 'prompt' must be a string when 'chosen' is")
+            if not prompt.strip():
+                raise DataError(f"row {i}: column 'prompt' is empty")
+    margin = row.get("margin")
+    if margin is not None:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise DataError(f"row {i}: column 'margin' must be a finite number, got {margin!r}")
+        margin = float(margin)
+    columns = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected", "margin")}
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": margin, "columns": columns}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenization
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def encode_response(response: str | list[dict], tokenizer) -> list[int]:
+    """The response's token ids followed by one EOS (the shape of a finished sampled completion).
+
+    A single assistant message contributes its content; several messages (a multi-turn continuation) are rendered
+    with the chat template, minus its trailing EOS, so only one EOS ends the response."""
+    eos = tokenizer.eos_token_id
+    if isinstance(response, str):
+        ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    elif len(response) == 1:
+        ids = tokenizer(response[0]["content"], add_special_tokens=False)["input_ids"]
+    else:
+        text = tokenizer.apply_chat_template(response, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        while ids and ids[-1] != eos and tokenizer.decode(ids[-1:]).strip() == "":
+            ids = ids[:-1]  # a template's trailing newline after its end-of-turn token
+    if not ids or ids[-1] != eos:
+        ids = ids + [eos]
+    return ids
+
+
+def encode_pair(pair: dict, tokenizer, system_prompt: str | None = None, i: int = 0) -> tuple[list[int], list[int]]:
+    """``(chosen_ids, rejected_ids)``: prompt tokens (rendered as the rollout renders prompts) + response + EOS."""
+    from lorarl.data import encode_prompt, prompt_text
+
+    prompt = pair["prompt"]
+    if prompt is None:
+        prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])  # a BOS, for tokenizers that add one
+    else:
+        text = prompt_text(prompt, tokenizer, system_prompt, i)
+        prefix = encode_prompt(text, tokenizer, templated=not isinstance(prompt, str))
+    return prefix + encode_response(pair["chosen"], tokenizer), prefix + encode_response(pair["rejected"], tokenizer)
+
+
+def load_preferences(
+    source: str,
+    tokenizer=None,
+    *,
+    split: Split = "train",
+    base_dir: str | Path | None = None,
+    system_prompt: str | None = None,
+    max_length: int | None = None,
+    on_bad_row: Literal["skip", "fail"] = "fail",
+    limit: int | None = None,
+) -> PreferenceSet:
+    """Read, validate and (with a ``tokenizer``) tokenize the preference pairs of ``source``.
+
+    ``max_length`` drops pairs whose longer side has more tokens (listed in ``skipped``, never an error, like TRL).
+    ``limit`` keeps the first ``limit`` usable pairs. A source with no usable pair is always an error.
+    """
+    rows, where = read_rows(source, split, base_dir)
+    out = PreferenceSet(pairs=[], source=where)
+    for i, row in enumerate(rows):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            pair = normalize_pair(row, i)
+            if tokenizer is not None:
+                c, r = encode_pair(pair, tokenizer, system_prompt, i)
+        except DataError as e:
+            if on_bad_row == "fail":
+                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
+            out.skipped.append((i, str(e)))
+            continue
+        if tokenizer is not None:
+            if max_length is not None and max(len(c), len(r)) > max_length:
+                out.skipped.append((i, f"row {i}: longer than reward_model.max_length={max_length} tokens"))
+                continue
+            out.chosen_ids.append(c)
+            out.rejected_ids.append(r)
+        out.pairs.append(pair)
+    if not out.pairs:
+        why = f"; first problem: {out.skipped[0][1]}" if out.skipped else ""
+        raise DataError(f"{where}: no usable preference pairs{why}")
+    return out
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad token lists -> ``(ids [B, L] long, attention_mask [B, L] long)``. The score is read at the last
+    position where the mask is 1, so the padding side does not matter (and pad may equal EOS)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for k, s in enumerate(sequences):
+        ids[k, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        mask[k, : len(s)] = 1
+    return ids, mask

@@ -1,0 +1,127 @@
+"""Reward-model stage (tiny model): held-out pairwise accuracy rises well above chance on an easily separable set;
+the run directory, the adapter + score head, checkpoints and `lorarl eval` output."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from lorarl.algos import reward_model
+from lorarl.algos.reward_model import pairwise_metrics, resolve_reward_adapter
+from lorarl.config import recipe_from_dict
+from lorarl.errors import LorarlError
+
+GOOD = ["good", "great", "fine", "nice", "lovely", "superb"]
+BAD = ["bad", "awful", "poor", "ugly", "nasty", "dreadful"]
+
+
+def separable_pairs(n: int, seed: int, start: int) -> list[dict]:
+    """Plain-format pairs: the chosen answer uses only positive words, the rejected one only negative words."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": f"Review {start + i}:",
+            "chosen": " " + " ".join(rng.choices(GOOD, k=3)),
+            "rejected": " " + " ".join(rng.choices(BAD, k=3)),
+        }
+        for i in range(n)
+    ]
+
+
+def rm_recipe(tiny_model_dir, tmp_path) -> dict:
+    for name, rows in (("train.jsonl", separable_pairs(64, 0, 0)), ("eval.jsonl", separable_pairs(32, 1, 1000))):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "algo": "reward_model",
+        "model": {"name": str(tiny_model_dir), "quantization": "none", "dtype": "float32"},
+        "lora": {"r": 8, "alpha": 16.0},
+        "data": {"source": "train.jsonl", "eval_source": "eval.jsonl"},  # relative: beside the recipe
+        "reward_model": {"epochs": 3, "batch_size": 8, "center_coef": 0.001, "eval_every": 1},
+        "train": {"steps": 16, "learning_rate": 1e-2, "micro_batch_size": 4, "save_every": 8, "seed": 0},
+        "eval": {"n": 32, "batch_size": 16},
+    }
+
+
+@pytest.fixture(scope="module")
+def rm_run(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rm")
+    recipe_path = tmp / "reward_model.yaml"
+    recipe_path.write_text(yaml.safe_dump(rm_recipe(tiny_model_dir, tmp)))
+    from lorarl.config import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    summary = reward_model.train(recipe, tmp / "run")
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return recipe_path, tmp / "run", summary, rows
+
+
+def test_heldout_pairwise_accuracy_rises_well_above_chance(rm_run):
+    _, run_dir, summary, rows = rm_run
+    acc = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
+    assert len(acc) == 16
+    assert acc[-1] >= 0.9 and summary["pairwise_accuracy"] == acc[-1], acc
+    assert acc[-1] > acc[0] or acc[0] >= 0.9
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert summary["n"] == 32
+    for name in ("recipe.yaml", "metrics.jsonl", "plot.png", "tb", "eval.json"):
+        assert (run_dir / name).exists(), name
+    for name in ("adapter_config.json", "adapter_model.safetensors", "head.safetensors"):
+        assert (run_dir / "reward" / name).is_file(), name
+    ck = run_dir / "checkpoints" / "step-000016"
+    assert (ck / "reward" / "head.safetensors").is_file()
+    assert json.loads((ck / "state.json").read_text())["data_position"] == 16 * 8
+
+
+def test_eval_cli_prints_pairwise_accuracy_and_n_last(rm_run, capsys):
+    from lorarl.cli import main
+
+    recipe_path, run_dir, summary, _ = rm_run
+    assert main(["eval", str(recipe_path), "--checkpoint", str(run_dir)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["n"] == 32
+    assert result["pairwise_accuracy"] == pytest.approx(summary["pairwise_accuracy"])
+    # a step checkpoint and the adapter folder itself work too; `base` has no score head
+    assert (
+        main(["eval", str(recipe_path), "--checkpoint", str(run_dir / "checkpoints" / "step-000016"), "--n", "8"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 8
+    assert main(["eval", str(recipe_path), "--checkpoint", "base"]) == 2
+
+
+def test_resolve_reward_adapter(rm_run, tmp_path):
+    _, run_dir, _, _ = rm_run
+    assert resolve_reward_adapter(run_dir) == run_dir / "reward"
+    assert resolve_reward_adapter(run_dir / "reward") == run_dir / "reward"
+    assert resolve_reward_adapter("run", base_dir=run_dir.parent) == run_dir / "reward"
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "adapter_config.json").write_text("{}")
+    with pytest.raises(LorarlError, match="head"):
+        resolve_reward_adapter(tmp_path / "policy")
+    with pytest.raises(LorarlError, match="no such folder"):
+        resolve_reward_adapter(tmp_path / "nope")
+
+
+def test_pairwise_metrics_ties_count_as_wrong_and_by_kind():
+    rc = torch.tensor([1.0, 0.0, 2.0, -1.0])
+    rr = torch.tensor([0.0, 0.0, 3.0, -2.0])
+    m = pairwise_metrics(rc, rr)
+    assert m["pairwise_accuracy"] == 0.5 and m["n"] == 4
+    assert m["margin_mean"] == pytest.approx(0.25)  # (1 + 0 - 1 + 1) / 4
+
+    class P:
+        pairs = [{"columns": {"kind": k}} for k in ("a", "a", "b", "b")]
+
+    assert pairwise_metrics(rc, rr, P())["accuracy_by_kind"] == {"a": 0.5, "b": 0.5}
+
+
+def test_reward_model_needs_preference_data(tiny_model_dir, tmp_path):
+    from lorarl.errors import DataError
+
+    d = rm_recipe(tiny_model_dir, tmp_path)
+    d["data"] = {"source": "arithmetic"}
+    with pytest.raises(DataError, match="preference pairs"):
+        reward_model.train(recipe_from_dict(d), tmp_path / "run")
