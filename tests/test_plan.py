@@ -1,0 +1,257 @@
+"""The memory planner: formulas against hand-computed numbers, monotonicity, budgets, recorded H100 measurements,
+and the ``lorarl plan`` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lorarl.errors import LorarlError
+from lorarl.plan import (
+    GIB,
+    KNOWN_CONFIGS,
+    PlanSettings,
+    estimate_memory,
+    lora_params,
+    model_shape,
+    nf4_bytes,
+    pick_micro_batch,
+    resolve_targets,
+    total_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+VALIDATION = REPO / "docs" / "plan_validation"
+
+
+def test_known_configs_have_the_published_parameter_counts():
+    expected = {
+        "llama-3.1-8b": 8_030_261_248,
+        "qwen2.5-7b": 7_615_616_512,
+        "qwen2.5-1.5b": 1_543_714_304,
+        "qwen2.5-0.5b": 494_032_768,
+        "mistral-7b": 7_241_732_096,
+        "smollm2-135m": 134_515_008,
+    }
+    assert set(expected) == set(KNOWN_CONFIGS)
+    for name, n in expected.items():
+        assert model_shape(name).num_params() == n, name
+
+
+def test_names_resolve_from_hub_ids_and_instruct_variants():
+    assert model_shape("Qwen/Qwen2.5-7B-Instruct").hidden_size == 3584
+    assert model_shape("meta-llama/Llama-3.1-8B").num_key_value_heads == 8
+    with pytest.raises(LorarlError, match="known name"):
+        model_shape("no-such-model-xyz")
+
+
+def test_shape_from_a_config_json(tmp_path):
+    cfg = dict(KNOWN_CONFIGS["qwen2.5-0.5b"], head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = model_shape(tmp_path)  # a folder holding config.json
+    assert (s.hidden_size, s.num_hidden_layers, s.vocab_size, s.d, s.kvd) == (896, 24, 151936, 64, 128)
+    assert model_shape(tmp_path / "config.json") == s
+
+
+def test_smollm2_known_config_matches_the_converted_model(default_model_dir):
+    assert model_shape(default_model_dir).num_params() == model_shape("smollm2-135m").num_params()
+
+
+def test_nf4_bytes_by_hand():
+    # 256 x 512 weights: 65536 bytes of 4-bit codes, 2048 blocks of 64 -> 2048 8-bit absmax, 8 fp32 second-level
+    assert nf4_bytes(256 * 512) == 65536 + 2048 + 8 * 4
+    assert nf4_bytes(256 * 512, double_quant=False) == 65536 + 2048 * 4
+    assert nf4_bytes(10**6) / 10**6 == pytest.approx(4.127 / 8, rel=1e-3)  # 4.127 bits per weight
+
+
+def test_nf4_bytes_match_bitsandbytes_storage():
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    try:
+        w = bnb.nn.Params4bit(
+            torch.randn(512, 256, dtype=torch.bfloat16), requires_grad=False, compress_statistics=True, quant_type="nf4"
+        ).to("cpu")
+    except Exception as e:  # noqa: BLE001 - a bitsandbytes build without CPU kernels
+        pytest.skip(f"bitsandbytes cannot quantize on CPU here: {e}")
+    qs = w.quant_state
+    stored = w.numel() * w.element_size() + qs.absmax.numel() * qs.absmax.element_size() + qs.state2.absmax.numel() * 4
+    assert stored == nf4_bytes(512 * 256)
+
+
+def test_lora_and_kv_terms_by_hand():
+    llama = model_shape("llama-3.1-8b")
+    # per layer: r * sum(in + out) = 16 * (8192 + 5120 + 5120 + 8192 + 3 * 18432)
+    assert lora_params(llama, 16, resolve_targets(llama, "all-linear")) == 32 * 16 * 81920 == 41_943_040
+    assert resolve_targets(llama, ["q_proj", "model.layers.0.self_attn.v_proj"]) == ["q_proj", "v_proj"]
+    est = estimate_memory(
+        llama, group_size=8, prompts_per_step=2, prompt_len=128, max_new_tokens=128, micro_batch_size=4
+    )
+    p = est["breakdown"]["persistent"]
+    assert p["lora_policy"] == 4 * 41_943_040
+    assert p["adam_states"] == 8 * 41_943_040
+    embed = 128256 * 4096 * 2
+    assert p["base_other_weights"] == 2 * embed + (2 * 32 + 1) * 4096 * 2  # embeddings + untied lm_head + norms
+    # the KV cache of Llama-3 8B in bf16 is 128 KiB per token: 2 (k, v) * 32 layers * 8 heads * 128 dims * 2 bytes
+    gen = estimate_memory(
+        llama, group_size=8, prompts_per_step=2, prompt_len=8, max_new_tokens=1024, micro_batch_size=4
+    )
+    assert gen["moments"]["generation"] == "decode_end"
+    assert gen["breakdown"]["generation"]["kv_cache"] == 16 * (8 + 1024 - 1) * 128 * 1024
+
+
+def test_base_weights_match_the_h100_measurement():
+    """Allocated bytes right after building the NF4 Llama-3.1-8B on an H100 (scripts/validate_plan_gpu.py)."""
+    from lorarl.plan import base_weight_bytes
+
+    b = base_weight_bytes(model_shape("llama-3.1-8b"), "nf4", 2)
+    assert sum(b.values()) / GIB == pytest.approx(5.311105728149414, rel=1e-3)
+
+
+def _peak(**kw):
+    base = dict(group_size=8, prompts_per_step=2, prompt_len=128, max_new_tokens=128, micro_batch_size=4, kl_coef=0.04)
+    return estimate_memory(model_shape("qwen2.5-1.5b"), **{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "key,small,large",
+    [
+        ("micro_batch_size", 2, 8),
+        ("max_new_tokens", 64, 512),
+        ("prompt_len", 64, 512),
+        ("group_size", 4, 16),
+        ("prompts_per_step", 1, 4),
+        ("lora_r", 8, 64),
+        ("logprob_chunk_size", 32, 256),
+    ],
+)
+def test_peak_grows_with_each_size(key, small, large):
+    assert _peak(**{key: small})["peak_bytes"] < _peak(**{key: large})["peak_bytes"]
+
+
+def test_training_grows_with_micro_batch_and_generation_does_not():
+    a, b = _peak(micro_batch_size=2), _peak(micro_batch_size=8)
+    assert a["phases"]["training"] < b["phases"]["training"]
+    assert a["phases"]["generation"] == b["phases"]["generation"]
+
+
+def test_reference_pass_only_when_it_runs():
+    assert _peak(kl_coef=0.0)["moments"]["scoring"] == "not run"
+    assert _peak(kl_coef=0.04)["phases"]["scoring"] > _peak(kl_coef=0.0)["phases"]["scoring"]
+
+
+def test_ppo_has_critic_and_reward_adapters():
+    est = estimate_memory(model_shape("qwen2.5-0.5b"), PlanSettings(algo="ppo", prompts_per_step=8))
+    assert {"lora_critic_and_head", "lora_reward_and_head_frozen"} <= set(est["breakdown"]["persistent"])
+    assert "critic_training" in est["phases"]
+    assert (
+        "lora_reward_and_head_frozen"
+        not in estimate_memory(model_shape("qwen2.5-0.5b"), PlanSettings(algo="ppo", reward_model=False))["breakdown"][
+            "persistent"
+        ]
+    )
+
+
+def test_pick_micro_batch_respects_the_budget():
+    shape = model_shape("llama-3.1-8b")
+    s = PlanSettings(group_size=8, prompts_per_step=8, prompt_len=256, max_new_tokens=512)
+    pick = pick_micro_batch(shape, 24.0, s)
+    assert pick["fits"]
+    mb = pick["micro_batch_size"]
+    assert 64 % mb == 0
+    est = estimate_memory(shape, s, micro_batch_size=mb, generation_batch_size=pick["generation_batch_size"])
+    assert est["peak_total_bytes"] <= 24e9
+    if mb < 64:  # the next larger divisor does not fit
+        bigger = min(d for d in range(mb + 1, 65) if 64 % d == 0)
+        assert total_bytes(estimate_memory(shape, s, micro_batch_size=bigger)["phases"]["training"]) > 24e9
+
+
+def test_pick_micro_batch_says_when_nothing_fits():
+    pick = pick_micro_batch(model_shape("qwen2.5-7b"), 4.0, PlanSettings(prompts_per_step=8))
+    assert not pick["fits"]
+    assert pick["micro_batch_size"] == 1
+    assert "does not fit" in pick["advice"][0]
+
+
+def _recorded_runs():
+    for f in sorted(VALIDATION.glob("h100_*.json")):
+        for res in json.loads(f.read_text())["results"]:
+            for algo, run in res["runs"].items():
+                yield f.name, res["model"], algo, run
+
+
+@pytest.mark.skipif(not VALIDATION.is_dir(), reason="no recorded GPU validation")
+def test_predictions_stay_within_15_percent_of_the_recorded_h100_peaks():
+    """Re-predict every phase measured on the H100 (docs/plan_validation/*.json) with the current formulas."""
+    fields = PlanSettings.__dataclass_fields__
+    worst = 0.0
+    n = 0
+    for fname, model, _algo, run in _recorded_runs():
+        settings = PlanSettings(**{k: v for k, v in run["settings"].items() if k in fields})
+        est = estimate_memory(model_shape(model), settings)
+        for phase, r in run["phases"].items():
+            keys = [phase, "optimizer"] if "training" in phase else [phase]
+            pred = max(est["phases"][k] for k in keys)
+            err = abs(pred / r["measured"] - 1)
+            assert err <= 0.15, (
+                f"{fname} {model} {phase}: predicted {pred / GIB:.2f} GiB, measured {r['measured'] / GIB:.2f}"
+            )
+            worst = max(worst, err)
+            n += 1
+    assert n >= 50 and worst <= 0.15
+
+
+def test_cli_prints_the_plan_as_json(capsys):
+    from lorarl.cli import main
+
+    rc = main(
+        ["plan", str(REPO / "recipes" / "grpo_arithmetic.yaml"), "--model-config", "llama-3.1-8b", "--budget-gb", "24"]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["model"] == "llama-3.1-8b"
+    assert isinstance(result["picked_micro_batch_size"], int) and result["picked_micro_batch_size"] >= 1
+    assert all(isinstance(v, (int, float)) for v in result["phases_gb"].values())
+    assert isinstance(result["peak_total_gb"], float) and result["fits"] in (True, False)
+    assert "plan for" in "\n".join(out[:-1])  # the table before the JSON line
+
+
+def test_cli_plan_with_an_override_and_the_recipe_model(capsys):
+    from lorarl.cli import main
+
+    rc = main(["plan", str(REPO / "recipes" / "grpo_arithmetic.yaml"), "train.micro_batch_size=auto"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["model"] == "smollm2-135m" and result["micro_batch_size"] == "auto"
+
+
+def test_resolve_micro_batch():
+    from lorarl.config import recipe_from_dict
+    from lorarl.plan import resolve_micro_batch
+
+    fixed = recipe_from_dict({"train": {"micro_batch_size": 4}})
+    assert resolve_micro_batch(fixed) == 4
+    auto = recipe_from_dict({"train": {"micro_batch_size": "auto", "prompts_per_step": 2}, "grpo": {"group_size": 8}})
+    assert resolve_micro_batch(auto, device_type="cpu") == 8
+    mb = resolve_micro_batch(auto, device_type="cuda", budget_gb=24)
+    assert mb >= 1 and 16 % mb == 0
+
+
+@pytest.mark.slow
+def test_gpu_validation_script_runs_on_cpu(tmp_path):
+    """The GPU validation's code path (model build, SharedBase, GRPO and PPO steps, table, JSON) on a tiny model."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(REPO / "scripts" / "validate_plan_gpu.py"), "--device", "cpu", "--models", "tiny"]
+    cmd += ["--prompt-len", "16", "--max-new-tokens", "8", "--out", str(tmp_path), "--jobs", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "validate_plan.json").read_text())
+    assert not summary["failures"]
+    runs = summary["results"][0]["runs"]
+    assert set(runs) == {"grpo", "ppo"}
+    assert {"generation", "scoring", "training"} <= set(runs["grpo"]["phases"])
+    assert all(r["measured"] > 0 and r["predicted"] > 0 for run in runs.values() for r in run["phases"].values())
