@@ -72,6 +72,7 @@ class DataConfig:
     operations: list[str] = field(default_factory=lambda: ["+"])  # arithmetic only
     digits: int = 2  # arithmetic only
     system_prompt: str | None = None  # prepended as a system message to conversational prompts
+    prompt_template: str = "What is {a} {op} {b}?"  # arithmetic only: the user message, with {a} {op} {b}
     max_prompt_tokens: int = 512
     on_bad_row: Literal["skip", "fail"] = "fail"
 
@@ -82,6 +83,10 @@ class DataConfig:
         bad = [op for op in self.operations if op not in ("+", "-", "*")]
         _check(not bad and self.operations, where, "data.operations", f"must be a non-empty list of + - *, got {self.operations}")
         _check(self.max_prompt_tokens >= 1, where, "data.max_prompt_tokens", "must be >= 1")
+        try:
+            self.prompt_template.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as e:
+            _check(False, where, "data.prompt_template", f"must only use the fields {{a}} {{op}} {{b}} ({e!r})")
 
 
 @dataclass
@@ -127,6 +132,7 @@ class TrainConfig:
     log_every: int = 1
     max_nonfinite_in_row: int = 3  # NaN/inf losses or gradients in a row before the run stops
     max_reward_failure_fraction: float = 0.5  # failed reward calls (exception, timeout) before the run stops
+    reward_timeout_s: float = 60.0  # per call of one reward function on one batch; 0 = no limit
 
     def validate(self, where: str) -> None:
         _check(self.steps >= 1, where, "train.steps", "must be >= 1")
@@ -141,6 +147,7 @@ class TrainConfig:
         _check(self.log_every >= 1, where, "train.log_every", "must be >= 1")
         _check(self.max_nonfinite_in_row >= 1, where, "train.max_nonfinite_in_row", "must be >= 1")
         _check(0 < self.max_reward_failure_fraction <= 1, where, "train.max_reward_failure_fraction", "must be in (0, 1]")
+        _check(self.reward_timeout_s >= 0, where, "train.reward_timeout_s", "must be >= 0 (0: no limit)")
 
 
 @dataclass
@@ -198,9 +205,19 @@ class PPOConfig:
     critic_lora: LoraSettings = field(default_factory=LoraSettings)
     ptx_coef: float = 0.0  # InstructGPT pretraining-loss term
     ptx_source: str | None = None  # .jsonl with a `text` column
+    ptx_batch_size: int = 4  # texts of ptx_source per minibatch
+    critic_learning_rate: float | None = None  # the critic's own optimizer; default train.learning_rate
+    reward_model_weight: float = 1.0  # reward_source "both": total = weight * RM score + weighted rule rewards
+    huber_delta: float = 1.0  # value_loss "huber"
 
     def validate(self, where: str) -> None:
         _check(self.epochs >= 1, where, "ppo.epochs", "must be >= 1")
+        _check(self.ptx_batch_size >= 1, where, "ppo.ptx_batch_size", "must be >= 1")
+        _check(self.critic_learning_rate is None or self.critic_learning_rate > 0, where, "ppo.critic_learning_rate", "must be > 0 or null")
+        _check(self.huber_delta > 0, where, "ppo.huber_delta", "must be > 0")
+        _check(self.reward_clip is None or self.reward_clip > 0, where, "ppo.reward_clip", "must be > 0 or null")
+        _check(self.target_approx_kl is None or self.target_approx_kl > 0, where, "ppo.target_approx_kl", "must be > 0 or null")
+        _check(not self.adaptive_kl or self.kl_coef > 0, where, "ppo.kl_coef", "must be > 0 when ppo.adaptive_kl is on")
         _check(self.minibatch_size >= 1, where, "ppo.minibatch_size", "must be >= 1")
         _check(self.clip_eps > 0, where, "ppo.clip_eps", "must be > 0")
         _check(self.value_clip is None or self.value_clip > 0, where, "ppo.value_clip", "must be > 0 or null")
@@ -223,11 +240,15 @@ class RewardModelConfig:
     batch_size: int = 8
     margin: bool = False  # use a `margin` column when present
     center_coef: float = 0.0  # reward centering term coef * (r_c + r_r)^2
+    max_length: int = 512  # pairs whose longer side has more tokens are dropped (counted), like TRL
+    eval_every: int = 0  # held-out pairwise accuracy every N steps (0: only at the end)
 
     def validate(self, where: str) -> None:
         _check(self.epochs >= 1, where, "reward_model.epochs", "must be >= 1")
         _check(self.batch_size >= 1, where, "reward_model.batch_size", "must be >= 1")
         _check(self.center_coef >= 0, where, "reward_model.center_coef", "must be >= 0")
+        _check(self.max_length >= 2, where, "reward_model.max_length", "must be >= 2")
+        _check(self.eval_every >= 0, where, "reward_model.eval_every", "must be >= 0")
 
 
 @dataclass

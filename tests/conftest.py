@@ -6,6 +6,8 @@ The tokenizer comes from the embedded default model's converted folder (converte
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no busy-waiting OpenMP threads on 2 cores
 from pathlib import Path
 
 import pytest

@@ -108,3 +108,11 @@ def test_every_subcommand_has_help():
     for sub in ("models", "train", "eval", "export", "chat", "bench", "plan"):
         res = _cli(sub, "--help")
         assert res.returncode == 0 and "usage: lorarl " + sub in res.stdout, (sub, res.stderr)
+
+
+def test_cli_overrides_may_follow_the_options(tmp_path):
+    path = _write(tmp_path, "train:\n  steps: 3\n")
+    res = _cli("train", str(path), "--out", str(tmp_path / "run"), "grpo.group_size=1")
+    assert res.returncode == 2 and "grpo.group_size must be >= 2" in res.stderr
+    res = _cli("models", "x=1")
+    assert res.returncode == 2 and "unrecognized arguments: x=1" in res.stderr

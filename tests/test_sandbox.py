@@ -353,3 +353,14 @@ def test_network(mode, runs):
         assert reward == 0.0  # own network namespace: no interfaces up
     else:
         assert reward == 1.0  # documented: no network isolation in this mode
+
+
+def test_code_tests_is_a_builtin_reward_with_trl_signature():
+    from lorarl.rewards import load_reward_fn
+
+    fn = load_reward_fn("code_tests")
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+    bad = "```python\ndef add(a, b):\n    return a - b\n```"
+    tests = ["assert add(2, 3) == 5", "assert add(0, 0) == 0"]
+    out = fn(["p", "p", "p"], [good, bad, "no code here"], tests=[tests, tests, tests], wall_seconds=3.0)
+    assert out == [1.0, 0.5, 0.0]

@@ -1,0 +1,201 @@
+"""Prompt datasets: the built-in arithmetic generator, ``.jsonl`` files and ``datasets`` folders.
+
+Rows follow TRL's fields: ``prompt`` is a string (used as is) or a list of chat messages (conversational: the
+recipe's ``data.system_prompt`` is prepended as a system message when the row has none, and the tokenizer's chat
+template is applied with the generation prompt). Every other column is kept and handed to reward functions by name.
+
+Every row is checked: a missing or empty ``prompt``, a malformed message list, or a prompt longer than
+``data.max_prompt_tokens`` raises :class:`DataError` naming the row index and the column, or, with
+``data.on_bad_row: skip``, drops the row and counts it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lorarl.config import DataConfig
+from lorarl.errors import DataError
+
+Split = Literal["train", "eval"]
+
+
+@dataclass
+class PromptSet:
+    """The usable rows of one split.
+
+    rows:       the rows as read (``prompt`` plus extra columns), bad rows left out.
+    texts:      ``[n]`` the prompt text the model sees (chat template applied for conversational prompts).
+    token_ids:  ``[n]`` lists of prompt token ids (no padding).
+    skipped:    ``[(row index, reason)]`` for rows dropped with ``on_bad_row: skip``.
+    source:     where the rows came from.
+    """
+
+    rows: list[dict]
+    texts: list[str]
+    token_ids: list[list[int]]
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def columns(self, indices: list[int]) -> dict[str, list]:
+        """The extra columns (everything but ``prompt``) of rows ``indices``, as TRL passes them to rewards."""
+        names: list[str] = []
+        for i in indices:
+            for k in self.rows[i]:
+                if k != "prompt" and k not in names:
+                    names.append(k)
+        return {k: [self.rows[i].get(k) for i in indices] for k in names}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading raw rows
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _read_datasets_folder(path: Path, split: Split) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise DataError(f"{path}: reading a datasets folder needs the `datasets` package") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises several types for "not a saved dataset"
+        raise DataError(f"{path}: not a folder saved with datasets' save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        wanted = ("train",) if split == "train" else ("test", "validation", "eval")
+        name = next((s for s in wanted if s in ds), None)
+        if name is None:
+            if split == "train" and len(ds) == 1:
+                name = next(iter(ds))
+            else:
+                raise DataError(f"{path}: no {' / '.join(wanted)} split (has: {', '.join(ds)})")
+        ds = ds[name]
+    return [dict(r) for r in ds]
+
+
+def read_rows(cfg: DataConfig, split: Split, size: int | None = None) -> tuple[list[dict], str]:
+    """The raw rows of ``split`` and a description of where they came from (no validation yet).
+
+    ``arithmetic`` generates ``size`` rows (default ``data.train_size`` / ``data.eval_size``) of the split. A file or
+    folder is read whole; the eval split reads ``data.eval_source``, or for a ``DatasetDict`` folder its test split.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    source = cfg.source if split == "train" else (cfg.eval_source or cfg.source)
+    if source == "arithmetic":
+        from lorarl.tasks.arithmetic import make_problems
+
+        n = size or (cfg.train_size if split == "train" else cfg.eval_size)
+        rows = make_problems(
+            split, n, seed=cfg.seed, operations=cfg.operations, digits=cfg.digits, template=cfg.prompt_template
+        )
+        return rows, f"arithmetic ({split}, {n} rows, seed {cfg.seed})"
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data source {source}: no such file or folder")
+    if path.is_dir():
+        if split == "eval" and not cfg.eval_source:
+            rows = _read_datasets_folder(path, "eval")
+        else:
+            rows = _read_datasets_folder(path, "train")
+        return rows, str(path)
+    if split == "eval" and not cfg.eval_source:
+        raise DataError(f"data source {source}: set data.eval_source to a held-out file to evaluate")
+    if path.suffix != ".jsonl":
+        raise DataError(f"data source {source}: expected `arithmetic`, a .jsonl file or a datasets folder")
+    return _read_jsonl(path), str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and templating
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_messages(messages: list, i: int) -> None:
+    if not messages:
+        raise DataError(f"row {i}: column 'prompt' is an empty message list")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"row {i}: column 'prompt' message {j} must be a mapping with 'role' and 'content'")
+        if not isinstance(m["content"], str):
+            raise DataError(f"row {i}: column 'prompt' message {j} content must be a string")
+    if not any(str(m["content"]).strip() for m in messages if m["role"] != "system"):
+        raise DataError(f"row {i}: column 'prompt' is empty (no non-empty user message)")
+
+
+def prompt_text(prompt: Any, tokenizer, system_prompt: str | None, i: int = 0) -> str:
+    """One row's prompt as the text the model is given. Raises DataError naming row ``i`` when unusable."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"row {i}: column 'prompt' is empty")
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        messages = list(prompt)
+        _check_messages(messages, i)
+        if system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"row {i}: column 'prompt' is a message list but the tokenizer has no chat template")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if prompt is None:
+        raise DataError(f"row {i}: column 'prompt' is missing")
+    raise DataError(f"row {i}: column 'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+def encode_prompt(text: str, tokenizer, templated: bool) -> list[int]:
+    """Token ids of a prompt text. Chat-templated text already holds its special tokens, so none are added then."""
+    return tokenizer(text, add_special_tokens=not templated)["input_ids"]
+
+
+def load_prompts(cfg: DataConfig, tokenizer, split: Split = "train", size: int | None = None) -> PromptSet:
+    """Read, validate, template and tokenize the prompts of ``split`` (see :func:`read_rows` for ``size``).
+
+    Bad rows raise :class:`DataError` (``on_bad_row: fail``) or are skipped and listed in ``PromptSet.skipped``.
+    A split with no usable row is always an error.
+    """
+    rows, where = read_rows(cfg, split, size)
+    good_rows, texts, ids, skipped = [], [], [], []
+    for i, row in enumerate(rows):
+        try:
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise DataError(f"row {i}: column 'prompt' is missing")
+            text = prompt_text(row["prompt"], tokenizer, cfg.system_prompt, i)
+            tokens = encode_prompt(text, tokenizer, templated=not isinstance(row["prompt"], str))
+            if len(tokens) > cfg.max_prompt_tokens:
+                raise DataError(
+                    f"row {i}: column 'prompt' has {len(tokens)} tokens, more than data.max_prompt_tokens="
+                    f"{cfg.max_prompt_tokens}"
+                )
+        except DataError as e:
+            if cfg.on_bad_row == "fail":
+                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
+            skipped.append((i, str(e)))
+            continue
+        good_rows.append(row)
+        texts.append(text)
+        ids.append(tokens)
+    if not good_rows:
+        why = f"; first problem: {skipped[0][1]}" if skipped else ""
+        raise DataError(f"{where}: no usable rows in the {split} split{why}")
+    return PromptSet(rows=good_rows, texts=texts, token_ids=ids, skipped=skipped, source=where)

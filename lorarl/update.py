@@ -1,0 +1,132 @@
+"""One optimizer step over micro-batches, with gradient accumulation. Knows nothing of GRPO or PPO.
+
+The caller passes a loss function that returns each micro-batch's *contribution* to the full-batch loss (e.g.
+:func:`lorarl.losses.reduce_loss` with the whole batch's totals), so the accumulated gradient equals the gradient
+of the full-batch loss without further scaling. A NaN or inf loss or gradient skips the step: gradients are
+dropped, the weights and the optimizer state are not touched, and the result says so.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# A loss function: micro-batch -> (loss contribution, {stat name: (sum, count)}).
+LossFn = Callable[[Any], tuple[Tensor, dict[str, tuple[float, float]]]]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did.
+
+    loss:         sum of the micro-batch losses (= the full-batch loss); NaN/inf when non-finite.
+    grad_norm:    total gradient norm before clipping (NaN when the step was skipped before backward finished).
+    skipped:      True when a non-finite loss or gradient skipped the step (weights untouched).
+    micro_batches: how many micro-batches ran.
+    stats:        the loss function's stats, each ``sum / count`` over the micro-batches.
+    lr:           learning rate used.
+    """
+
+    loss: float
+    grad_norm: float
+    skipped: bool
+    micro_batches: int
+    stats: dict[str, float] = field(default_factory=dict)
+    lr: float = 0.0
+
+
+def micro_batches(n: int, size: int) -> Iterator[slice]:
+    """Row slices ``[0, size), [size, 2 size), ...`` covering ``n`` rows."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    for s in range(0, n, size):
+        yield slice(s, min(s + size, n))
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, kind: str, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LR multiplier: linear warm-up over ``warmup_steps``, then ``constant``, ``linear`` decay to 0 or ``cosine``
+    decay to 0 at ``total_steps``."""
+    total = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(max(step - warmup_steps, 0) / max(total - warmup_steps, 1), 1.0)
+        if kind == "linear":
+            return 1.0 - progress
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"unknown lr scheduler {kind!r}")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _grads_finite(params: list[Tensor]) -> bool:
+    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+
+
+def optimizer_step(
+    params: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    loss_fn: LossFn,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> StepResult:
+    """Accumulate gradients of ``loss_fn`` over ``batches`` (backward per micro-batch), then clip the total norm to
+    ``max_grad_norm`` and take one optimizer step (and one scheduler step).
+
+    A non-finite micro-batch loss stops the accumulation; a non-finite loss or gradient norm skips the optimizer
+    step (the scheduler still steps, so the LR follows the step count) and returns ``skipped=True``.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    lr = float(optimizer.param_groups[0]["lr"])
+    total_loss = 0.0
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    n_micro = 0
+    finite = True
+    for batch in batches:
+        loss, stats = loss_fn(batch)
+        n_micro += 1
+        value = float(loss.detach())
+        total_loss += value
+        for k, (s, c) in stats.items():
+            sums[k] = sums.get(k, 0.0) + float(s)
+            counts[k] = counts.get(k, 0.0) + float(c)
+        if not math.isfinite(value):
+            finite = False
+            break
+        if loss.requires_grad:
+            loss.backward()
+    stats_out = {k: (sums[k] / counts[k] if counts[k] else float("nan")) for k in sums}
+    grad_norm = float("nan")
+    if finite:
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        finite = math.isfinite(grad_norm) and _grads_finite(params)
+    if not finite:
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()
+        return StepResult(total_loss, grad_norm, True, n_micro, stats_out, lr)
+    if max_grad_norm is not None and grad_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr)
