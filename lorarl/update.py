@@ -130,3 +130,49 @@ def optimizer_step(
     if scheduler is not None:
         scheduler.step()
     return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr)
+
+
+def _is_oom(err: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(err, oom)) or "out of memory" in str(err).lower()
+
+
+def optimizer_step_halving(
+    params: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    rows: Tensor,
+    micro_batch_size: int,
+    loss_fn: LossFn,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    on_halve: Callable[[int, int], None] | None = None,
+) -> tuple[StepResult, int]:
+    """:func:`optimizer_step` over ``rows`` in micro-batches of ``micro_batch_size``; on an out-of-memory error in
+    a micro-batch the partial gradients are dropped, the micro-batch size is halved and the whole step is redone
+    (the loss contributions are normalised by the full batch, so the gradient does not depend on the split).
+
+    Returns ``(result, micro_batch_size that worked)``; callers keep using the smaller size. Raises the OOM error
+    when even one row per micro-batch does not fit.
+    """
+    size = max(1, int(micro_batch_size))
+    while True:
+        try:
+            result = optimizer_step(
+                params,
+                optimizer,
+                (rows[s] for s in micro_batches(len(rows), size)),
+                loss_fn,
+                max_grad_norm=max_grad_norm,
+                scheduler=scheduler,
+            )
+            return result, size
+        except (RuntimeError, MemoryError) as err:
+            if not _is_oom(err) or size == 1:
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if on_halve is not None:
+                on_halve(size, size // 2)
+            size //= 2

@@ -173,10 +173,9 @@ print(status("VmHWM") - before)
 
 
 def _peak_rss_growth(mode: str) -> int:
+    import os
     import subprocess
     import sys
-
-    import os
 
     # a fixed mmap threshold makes glibc return freed blocks to the OS, so peak RSS tracks live tensors
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")

@@ -291,3 +291,51 @@ def test_clipping_and_stats_accumulation():
     assert not res.skipped and res.grad_norm == pytest.approx(5.0)
     assert w.tolist() == pytest.approx([0.6, 0.8])  # clipped to norm 1
     assert res.stats["x"] == pytest.approx((2.0 + 6.0) / 4.0)
+
+
+def test_out_of_memory_halves_the_micro_batch_and_gives_the_full_batch_gradient():
+    from lorarl.update import optimizer_step_halving
+
+    torch.manual_seed(0)
+    x = torch.randn(12, 5)
+    y = torch.randn(12)
+
+    def run(max_rows_that_fit):
+        w = torch.zeros(5, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        seen = []
+
+        def loss_fn(rows):
+            seen.append(len(rows))
+            loss = ((x[rows] @ w - y[rows]) ** 2).sum() / len(x)  # the micro-batch's share of the full-batch loss
+            if len(rows) > max_rows_that_fit:
+                loss.backward()  # partial gradients exist when the OOM strikes: they must be dropped
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return loss, {}
+
+        halvings = []
+        result, size = optimizer_step_halving(
+            [w], opt, torch.arange(12), 12, loss_fn, on_halve=lambda a, b: halvings.append((a, b))
+        )
+        return w.detach(), size, halvings, result
+
+    w_full, size_full, halvings_full, _ = run(12)
+    w_small, size_small, halvings_small, result = run(4)
+    assert size_full == 12 and halvings_full == []
+    assert size_small == 3 and halvings_small == [(12, 6), (6, 3)]
+    assert not result.skipped and result.micro_batches == 4
+    torch.testing.assert_close(w_small, w_full, rtol=1e-6, atol=1e-7)
+
+    def never_fits(rows):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    w = torch.zeros(5, requires_grad=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer_step_halving([w], torch.optim.SGD([w], lr=0.1), torch.arange(4), 4, never_fits)
+    other = RuntimeError("shape mismatch")
+
+    def broken(rows):
+        raise other
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        optimizer_step_halving([w], torch.optim.SGD([w], lr=0.1), torch.arange(4), 4, broken)

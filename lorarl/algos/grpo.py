@@ -41,7 +41,7 @@ from lorarl.metrics import MetricsLogger, plot_metrics
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.rewards import RewardScorer, is_correct
 from lorarl.rollout import Rollout, completion_logprobs, generate_rollout
-from lorarl.update import make_scheduler, micro_batches, optimizer_step
+from lorarl.update import make_scheduler, optimizer_step_halving
 
 POLICY = "policy"
 MIN_REWARD_CALLS_BEFORE_STOP = 4  # the failure fraction is judged once this many reward calls were made
@@ -317,14 +317,18 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                     if len(rows) == 0:  # nothing to learn from this batch (e.g. every group zero-std)
                         scheduler.step()
                         continue
-                    result = optimizer_step(
+                    # a CUDA out-of-memory in a micro-batch halves the micro-batch and redoes the step
+                    result, mbs = optimizer_step_halving(
                         params,
                         optimizer,
-                        (rows[s] for s in micro_batches(len(rows), mbs)),
+                        rows,
+                        min(mbs, state.get("micro_batch_cap", mbs)),
                         loss_fn,
                         max_grad_norm=tcfg.max_grad_norm,
                         scheduler=scheduler,
+                        on_halve=lambda a, b, step=step: tqdm.write(f"step {step}: out of memory at micro-batch {a}, retrying with {b}"),
                     )
+                    state["micro_batch_cap"] = mbs
                     if result.skipped:
                         state["skipped_updates"] += 1
                         state["nonfinite_in_row"] += 1
