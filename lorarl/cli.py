@@ -31,7 +31,7 @@ def cmd_models(args) -> int:
     from lorarl.models import convert_embedded, list_models
 
     if args.convert:
-        convert_embedded(args.convert, force=True)
+        convert_embedded(args.convert, force=args.force)
     rows = list_models()
     if args.json:
         _print_json_last({"models": rows})
@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the models lorarl can use offline")
     m.add_argument("--json", action="store_true", help="print one JSON object")
-    m.add_argument("--convert", metavar="NAME", help="(re)convert an embedded model into the cache now")
+    m.add_argument("--convert", metavar="NAME", help="convert an embedded model into the cache now (if not yet)")
+    m.add_argument("--force", action="store_true", help="with --convert: convert again even if converted")
     m.set_defaults(func=cmd_models)
 
     t = sub.add_parser("train", help="train with a recipe (GRPO, PPO or reward model)")

@@ -344,6 +344,16 @@ class RewardScorer:
     def failure_fraction(self) -> float:
         return self.failures / self.calls if self.calls else 0.0
 
+
+    def check_failure_budget(self, max_fraction: float, last_failures: dict | None = None, min_calls: int = 4) -> None:
+        """Raise LorarlError once at least ``min_calls`` calls were made and more than ``max_fraction`` failed
+        (``train.max_reward_failure_fraction``); ``last_failures`` (name -> error) goes into the message."""
+        if self.calls >= min_calls and self.failure_fraction > max_fraction:
+            last = "; ".join(f"{k}: {v}" for k, v in (last_failures or {}).items()) or "see above"
+            raise LorarlError(
+                f"reward functions failed in {self.failures} of {self.calls} calls ({self.failure_fraction:.0%} > "
+                f"train.max_reward_failure_fraction={max_fraction:g}); last: {last}"
+            )
     def __call__(
         self,
         prompts: list,

@@ -44,7 +44,6 @@ from lorarl.rollout import Rollout, completion_logprobs, generate_rollout
 from lorarl.update import make_scheduler, optimizer_step_halving
 
 POLICY = "policy"
-MIN_REWARD_CALLS_BEFORE_STOP = 4  # the failure fraction is judged once this many reward calls were made
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -61,6 +60,17 @@ def set_threads() -> int:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
+
+
+def start_run(recipe: Recipe, out_dir: str | os.PathLike) -> Path:
+    """Make the run directory, use every core, seed python and torch from ``train.seed``, write ``recipe.yaml``."""
+    run_dir = Path(out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    set_threads()
+    torch.manual_seed(recipe.train.seed)
+    random.seed(recipe.train.seed)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    return run_dir
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -198,12 +208,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     t_start = time.perf_counter()
     cfg, gen, tcfg = recipe.grpo, recipe.generation, recipe.train
     G = cfg.group_size
-    run_dir = Path(out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    set_threads()
-    torch.manual_seed(tcfg.seed)
-    random.seed(tcfg.seed)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    run_dir = start_run(recipe, out_dir)
 
     # -- set-up: one base, the roles, the data, the reward functions, the optimizer ---------------------------
     shared = SharedBase.load(recipe.model)
@@ -270,12 +275,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             )
             for name, err in scores.failures.items():
                 tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
-            if scorer.calls >= MIN_REWARD_CALLS_BEFORE_STOP and scorer.failure_fraction > tcfg.max_reward_failure_fraction:
-                raise LorarlError(
-                    f"reward functions failed in {scorer.failures} of {scorer.calls} calls "
-                    f"({scorer.failure_fraction:.0%} > train.max_reward_failure_fraction="
-                    f"{tcfg.max_reward_failure_fraction:g}); last: {'; '.join(f'{k}: {v}' for k, v in scores.failures.items()) or 'see above'}"
-                )
+            scorer.check_failure_budget(tcfg.max_reward_failure_fraction, scores.failures)
 
             # 4. Group-relative advantages [N] (NaN rewards left out of their group's statistics) --------------
             adv = group_advantages(scores.total, G, cfg.std_scaling, unbiased_std=cfg.unbiased_std)

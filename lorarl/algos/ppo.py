@@ -37,19 +37,17 @@ import functools
 import json
 import math
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from torch import Tensor
 
 from lorarl.advantages import AdaptiveKLController, FixedKLController, gae, kl_shaped_rewards
-from lorarl.algos.grpo import batch_indices, peak_memory_gb, resolve_micro_batch, set_threads, step_seed
+from lorarl.algos.grpo import batch_indices, peak_memory_gb, resolve_micro_batch, set_threads, start_run, step_seed
 from lorarl.algos.reward_model import REWARD, resolve_reward_adapter
-from lorarl.config import Recipe, recipe_to_dict
+from lorarl.config import Recipe
 from lorarl.data import load_prompts
 from lorarl.errors import DataError, LorarlError
 from lorarl.losses import ppo_clip_loss, reduce_loss, value_loss
@@ -346,12 +344,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     """
     t_start = time.perf_counter()
     cfg, gen, tcfg = recipe.ppo, recipe.generation, recipe.train
-    run_dir = Path(out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    set_threads()
-    torch.manual_seed(tcfg.seed)
-    random.seed(tcfg.seed)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    run_dir = start_run(recipe, out_dir)
     base_dir = Path(recipe.source_path).parent if recipe.source_path else None
 
     # -- set-up: ONE base; policy, reference, critic and reward are ways of running it -------------------------
@@ -460,11 +453,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                 )
                 for name, err in rs.failures.items():
                     tqdm.write(f"step {step}: reward {name} failed ({err}); counted as 0")
-                if scorer.calls >= 4 and scorer.failure_fraction > tcfg.max_reward_failure_fraction:
-                    raise LorarlError(
-                        f"reward functions failed in {scorer.failures} of {scorer.calls} calls (> "
-                        f"train.max_reward_failure_fraction={tcfg.max_reward_failure_fraction:g})"
-                    )
+                scorer.check_failure_budget(tcfg.max_reward_failure_fraction, rs.failures)
                 score = score + torch.nan_to_num(rs.total, nan=0.0)
                 rule_means = rs.means()
             raw_score = score.clone()  # [N] what eval reports as reward_mean

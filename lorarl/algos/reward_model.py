@@ -26,15 +26,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-import random
 import time
 from pathlib import Path
 
 import torch
-import yaml
 
-from lorarl.algos.grpo import batch_indices, peak_memory_gb, resolve_micro_batch, set_threads
-from lorarl.config import Recipe, recipe_to_dict
+from lorarl.algos.grpo import batch_indices, peak_memory_gb, resolve_micro_batch, set_threads, start_run
+from lorarl.config import Recipe
 from lorarl.errors import DataError, LorarlError
 from lorarl.losses import bradley_terry_loss
 from lorarl.metrics import MetricsLogger, plot_metrics
@@ -185,12 +183,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     """
     t_start = time.perf_counter()
     cfg, tcfg = recipe.reward_model, recipe.train
-    run_dir = Path(out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    set_threads()
-    torch.manual_seed(tcfg.seed)
-    random.seed(tcfg.seed)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    run_dir = start_run(recipe, out_dir)
 
     # -- set-up: one base, the reward adapter + score head, the pairs, the optimizer --------------------------
     shared = SharedBase.load(recipe.model)
