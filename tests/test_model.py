@@ -144,7 +144,7 @@ def test_chunked_logprobs_match_naive_and_use_less_memory():
     # peak memory of forward + backward on a large-vocabulary case, each in a fresh process (peak RSS growth)
     naive_peak = _peak_rss_growth("naive")
     chunk_peak = _peak_rss_growth("chunked")
-    full_logits_bytes = 4 * 128 * 49152 * 4
+    full_logits_bytes = 4 * 256 * 49152 * 4
     assert naive_peak >= full_logits_bytes, (naive_peak, full_logits_bytes)
     assert chunk_peak < 0.5 * naive_peak, (chunk_peak, naive_peak)
 
@@ -153,7 +153,7 @@ _PEAK_SCRIPT = """
 import sys, torch
 from lorarl.model import chunked_token_logprobs
 torch.manual_seed(0)
-B, T, H, V = 4, 128, 64, 49152
+B, T, H, V = 4, 256, 64, 49152
 hidden = torch.randn(B, T, H, requires_grad=True)
 head = torch.nn.Linear(H, V, bias=False)
 targets = torch.randint(0, V, (B, T))
