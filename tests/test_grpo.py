@@ -283,3 +283,12 @@ def test_real_model_base_eval_on_the_quickstart_recipe():
     out = evaluate(recipe, "base", n=8)
     assert out["n"] == 8 and 0.0 <= out["accuracy"] <= 1.0
     assert out["completion_len"] <= recipe.generation.max_new_tokens
+
+
+def test_auto_micro_batch_takes_the_planners_pick_capped_by_rows():
+    from lorarl.algos.grpo import resolve_micro_batch
+
+    assert resolve_micro_batch("auto", 100, 24) == 24
+    assert resolve_micro_batch("auto", 5, 24) == 5
+    assert resolve_micro_batch("auto", 100, None) == 16
+    assert resolve_micro_batch(4, 100, 24) == 4

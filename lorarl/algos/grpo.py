@@ -92,8 +92,12 @@ def batch_indices(n_rows: int, per_step: int, seed: int, step: int) -> list[int]
     return out
 
 
-def resolve_micro_batch(value: int | str, n: int) -> int:
-    return min(n, 16) if value == "auto" else int(value)
+def resolve_micro_batch(value: int | str, n: int, planned: int | None = None) -> int:
+    """Rows per forward/backward: an int as is; ``auto``: the memory planner's pick (``planned``, from
+    :func:`lorarl.plan.resolve_micro_batch`, GRPO and PPO) or else 16, never more than the ``n`` rows to split."""
+    if value == "auto":
+        return max(1, min(n, planned or 16))
+    return int(value)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -213,6 +217,11 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     # -- set-up: one base, the roles, the data, the reward functions, the optimizer ---------------------------
     shared = SharedBase.load(recipe.model)
     has_ref_adapter = setup_roles(shared, recipe)
+    planned_mbs = None
+    if tcfg.micro_batch_size == "auto":  # the memory planner picks what fits this device
+        from lorarl.plan import resolve_micro_batch as plan_micro_batch
+
+        planned_mbs = plan_micro_batch(recipe, device_type=shared.device.type)
     reference = REFERENCE if cfg.kl_coef > 0 else None  # None: the reference never runs
     prompts = load_prompts(recipe.data, shared.tokenizer, "train")
     for i, why in prompts.skipped[:5]:
@@ -308,7 +317,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
 
             # 6. num_iterations optimizer steps, each over micro-batches with gradient accumulation -----------
             t_upd0 = time.perf_counter()
-            mbs = resolve_micro_batch(tcfg.micro_batch_size, max(len(rows), 1))
+            mbs = resolve_micro_batch(tcfg.micro_batch_size, max(len(rows), 1), planned_mbs)
             update_stats: dict[str, float] = {}
             # backward runs inside the policy role in train mode: activation checkpointing recomputes the forward
             # there, and must see the same mode (dropout) as the forward did
