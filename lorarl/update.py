@@ -140,7 +140,7 @@ def _is_oom(err: BaseException) -> bool:
 def optimizer_step_halving(
     params: list[Tensor],
     optimizer: torch.optim.Optimizer,
-    rows: Tensor,
+    make_batches: Callable[[int], Iterable[Any]],
     micro_batch_size: int,
     loss_fn: LossFn,
     *,
@@ -148,7 +148,9 @@ def optimizer_step_halving(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     on_halve: Callable[[int, int], None] | None = None,
 ) -> tuple[StepResult, int]:
-    """:func:`optimizer_step` over ``rows`` in micro-batches of ``micro_batch_size``; on an out-of-memory error in
+    """:func:`optimizer_step` over ``make_batches(micro_batch_size)`` (the micro-batches of one batch split into
+    pieces of at most that many rows, e.g. ``lambda n: (rows[s] for s in micro_batches(len(rows), n))``); on an
+    out-of-memory error in
     a micro-batch the partial gradients are dropped, the micro-batch size is halved and the whole step is redone
     (the loss contributions are normalised by the full batch, so the gradient does not depend on the split).
 
@@ -161,7 +163,7 @@ def optimizer_step_halving(
             result = optimizer_step(
                 params,
                 optimizer,
-                (rows[s] for s in micro_batches(len(rows), size)),
+                make_batches(size),
                 loss_fn,
                 max_grad_norm=max_grad_norm,
                 scheduler=scheduler,

@@ -175,9 +175,9 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
     monkeypatch.setattr(SharedBase, "load", classmethod(load_once))
     calls: list[tuple[set, set]] = []
     first: dict = {}
-    real_step = ppo.optimizer_step
+    real_step = ppo.optimizer_step_halving
 
-    def checked_step(params, optimizer, batches, loss_fn, **kw):
+    def checked_step(params, optimizer, make_batches, size, loss_fn, **kw):
         sb = loaded[0]
         named = dict(sb.peft.named_parameters()) | {f"heads.{n}": p for n, p in sb.heads.named_parameters()}
         if not first:  # before any update: the warm-started critic equals the reward model
@@ -187,14 +187,14 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
             for pp, pref in zip(sb.adapter_parameters("policy"), sb.adapter_parameters("reference")):
                 assert torch.equal(pp, pref)  # the policy starts as the init adapter = the reference
         before = {n: p.detach().clone() for n, p in named.items()}
-        result = real_step(params, optimizer, batches, loss_fn, **kw)
+        result = real_step(params, optimizer, make_batches, size, loss_fn, **kw)
         ids = {id(p) for p in params}
         changed = {n for n, p in named.items() if not torch.equal(p, before[n])}
         allowed = {n for n, p in named.items() if id(p) in ids}
         calls.append((changed, allowed))
         return result
 
-    monkeypatch.setattr(ppo, "optimizer_step", checked_step)
+    monkeypatch.setattr(ppo, "optimizer_step_halving", checked_step)
     ppo.train(recipe, tmp_path / "run")
 
     assert len(loaded) == 1  # ONE base model loaded

@@ -314,8 +314,10 @@ def test_out_of_memory_halves_the_micro_batch_and_gives_the_full_batch_gradient(
             return loss, {}
 
         halvings = []
+        rows = torch.arange(12)
         result, size = optimizer_step_halving(
-            [w], opt, torch.arange(12), 12, loss_fn, on_halve=lambda a, b: halvings.append((a, b))
+            [w], opt, lambda n: (rows[s] for s in micro_batches(12, n)), 12, loss_fn,
+            on_halve=lambda a, b: halvings.append((a, b)),
         )
         return w.detach(), size, halvings, result
 
@@ -331,11 +333,11 @@ def test_out_of_memory_halves_the_micro_batch_and_gives_the_full_batch_gradient(
 
     w = torch.zeros(5, requires_grad=True)
     with pytest.raises(torch.OutOfMemoryError):
-        optimizer_step_halving([w], torch.optim.SGD([w], lr=0.1), torch.arange(4), 4, never_fits)
+        optimizer_step_halving([w], torch.optim.SGD([w], lr=0.1), lambda n: [torch.arange(4)], 4, never_fits)
     other = RuntimeError("shape mismatch")
 
     def broken(rows):
         raise other
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        optimizer_step_halving([w], torch.optim.SGD([w], lr=0.1), torch.arange(4), 4, broken)
+        optimizer_step_halving([w], torch.optim.SGD([w], lr=0.1), lambda n: [torch.arange(4)], 4, broken)

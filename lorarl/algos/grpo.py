@@ -41,7 +41,7 @@ from lorarl.metrics import MetricsLogger, plot_metrics
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.rewards import RewardScorer, is_correct
 from lorarl.rollout import Rollout, completion_logprobs, generate_rollout
-from lorarl.update import make_scheduler, optimizer_step_halving
+from lorarl.update import make_scheduler, micro_batches, optimizer_step_halving
 
 POLICY = "policy"
 
@@ -330,7 +330,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                     result, mbs = optimizer_step_halving(
                         params,
                         optimizer,
-                        rows,
+                        lambda size, rows=rows: (rows[s] for s in micro_batches(len(rows), size)),
                         min(mbs, state.get("micro_batch_cap", mbs)),
                         loss_fn,
                         max_grad_norm=tcfg.max_grad_norm,

@@ -56,7 +56,7 @@ from lorarl.model import REFERENCE, SharedBase
 from lorarl.ops import masked_mean, masked_var, masked_whiten
 from lorarl.rewards import RewardScorer, is_correct
 from lorarl.rollout import Rollout, generate_rollout
-from lorarl.update import make_scheduler, micro_batches, optimizer_step
+from lorarl.update import make_scheduler, micro_batches, optimizer_step_halving
 
 POLICY, CRITIC = "policy", "critic"
 PLOT_PANELS = (
@@ -487,27 +487,34 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                 for s in range(0, N, cfg.minibatch_size):
                     mb_rows = order[s : s + cfg.minibatch_size]
                     denom = (len(mb_rows), max(float(mask[mb_rows].sum()), 1.0))  # the minibatch's sequences, tokens
-                    items = [("rl", mb_rows[sl], denom) for sl in micro_batches(len(mb_rows), mbs)]
+                    ptx_item = None
                     if ptx is not None:
                         first = (minibatches_done * cfg.ptx_batch_size) % len(ptx)
-                        items.append(("ptx", [(first + k) % len(ptx) for k in range(cfg.ptx_batch_size)], None))
+                        ptx_item = ("ptx", [(first + k) % len(ptx) for k in range(cfg.ptx_batch_size)], None)
+
+                    def rl_items(size, mb_rows=mb_rows, denom=denom):
+                        return [("rl", mb_rows[sl], denom) for sl in micro_batches(len(mb_rows), size)]
+
                     # Each whole step (forward AND backward) runs with its role active: gradient checkpointing
                     # recomputes the forward during backward, with whatever adapter is active at that moment.
+                    # A CUDA out-of-memory in a micro-batch halves the micro-batch and redoes that optimizer step.
                     with shared.role(POLICY, train=True):
-                        pres = optimizer_step(
+                        pres, mbs = optimizer_step_halving(
                             policy_params,
                             policy_opt,
-                            items,
+                            lambda size, rl_items=rl_items, ptx_item=ptx_item: rl_items(size) + ([ptx_item] if ptx_item else []),
+                            mbs,
                             policy_fn,
                             max_grad_norm=tcfg.max_grad_norm,
                             scheduler=policy_sched,
                         )
                     check_nonfinite(pres, step, "policy")
                     with shared.role(CRITIC, train=True):
-                        cres = optimizer_step(
+                        cres, mbs = optimizer_step_halving(
                             critic_params,
                             critic_opt,
-                            [i for i in items if i[0] == "rl"],
+                            rl_items,
+                            mbs,
                             critic_fn,
                             max_grad_norm=tcfg.max_grad_norm,
                             scheduler=critic_sched,
