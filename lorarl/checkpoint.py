@@ -213,3 +213,14 @@ def load_checkpoint(path: str | os.PathLike, shared, optimizers: dict, scheduler
             sch.load_state_dict(trainer_state["schedulers"][k])
     set_rng_state(_rng_from_saved(trainer_state["rng"]))
     return state
+
+
+def resume_into(run_dir: str | os.PathLike, shared, optimizers: dict, schedulers: dict, state: dict) -> int:
+    """Load the newest complete checkpoint of ``run_dir`` (if any) into the model, optimizers and schedulers; copy
+    the saved values of ``state``'s keys into ``state`` in place. Returns the step to continue after (0: none)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return 0
+    saved = load_checkpoint(ckpt, shared, optimizers, schedulers)
+    state.update({k: saved[k] for k in state if k in saved})
+    return int(saved["step"])

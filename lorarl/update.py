@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lorarl.errors import LorarlError
+
 # A loss function: micro-batch -> (loss contribution, {stat name: (sum, count)}).
 LossFn = Callable[[Any], tuple[Tensor, dict[str, tuple[float, float]]]]
 
@@ -178,3 +180,23 @@ def optimizer_step_halving(
             if on_halve is not None:
                 on_halve(size, size // 2)
             size //= 2
+
+
+def count_nonfinite(result: StepResult, state: dict, step: int, max_in_row: int, who: str = "") -> bool:
+    """Count a skipped (non-finite) step in ``state["skipped_updates"]`` / ``state["nonfinite_in_row"]``; raise
+    LorarlError after ``max_in_row`` in a row (``train.max_nonfinite_in_row``). Returns whether it was skipped."""
+    if not result.skipped:
+        state["nonfinite_in_row"] = 0
+        return False
+    state["skipped_updates"] += 1
+    state["nonfinite_in_row"] += 1
+    label = f"{who} " if who else ""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"step {step}: non-finite {label}loss or gradient, update skipped")
+    if state["nonfinite_in_row"] >= max_in_row:
+        raise LorarlError(
+            f"step {step}: {state['nonfinite_in_row']} non-finite losses or gradients in a row "
+            f"(train.max_nonfinite_in_row={max_in_row}); lower train.learning_rate or check the reward functions"
+        )
+    return True

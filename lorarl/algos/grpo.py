@@ -35,13 +35,12 @@ import yaml
 from lorarl.advantages import group_advantages
 from lorarl.config import GRPOConfig, Recipe, recipe_to_dict
 from lorarl.data import load_prompts
-from lorarl.errors import LorarlError
 from lorarl.losses import kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
 from lorarl.metrics import MetricsLogger, plot_metrics
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.rewards import RewardScorer, is_correct
 from lorarl.rollout import Rollout, completion_logprobs, generate_rollout
-from lorarl.update import make_scheduler, micro_batches, optimizer_step_halving
+from lorarl.update import count_nonfinite, make_scheduler, micro_batches, optimizer_step_halving
 
 POLICY = "policy"
 
@@ -239,14 +238,10 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     state = {"reward_calls": 0, "reward_failures": 0, "nonfinite_in_row": 0, "skipped_updates": 0}
     start_step = 0
     if resume:
-        from lorarl.checkpoint import latest_checkpoint, load_checkpoint
+        from lorarl.checkpoint import resume_into
 
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            saved = load_checkpoint(ckpt, shared, {POLICY: optimizer}, {POLICY: scheduler})
-            start_step = int(saved["step"])
-            state.update({k: saved[k] for k in state if k in saved})
-            scorer.calls, scorer.failures = state["reward_calls"], state["reward_failures"]
+        start_step = resume_into(run_dir, shared, {POLICY: optimizer}, {POLICY: scheduler}, state)
+        scorer.calls, scorer.failures = state["reward_calls"], state["reward_failures"]
     logger = MetricsLogger(run_dir, resume_step=start_step if resume else None)
 
     from tqdm.auto import tqdm
@@ -338,18 +333,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                         on_halve=lambda a, b, step=step: tqdm.write(f"step {step}: out of memory at micro-batch {a}, retrying with {b}"),
                     )
                     state["micro_batch_cap"] = mbs
-                    if result.skipped:
-                        state["skipped_updates"] += 1
-                        state["nonfinite_in_row"] += 1
-                        tqdm.write(f"step {step}: non-finite loss or gradient, update skipped")
-                        if state["nonfinite_in_row"] >= tcfg.max_nonfinite_in_row:
-                            raise LorarlError(
-                                f"step {step}: {state['nonfinite_in_row']} non-finite losses or gradients in a row "
-                                f"(train.max_nonfinite_in_row={tcfg.max_nonfinite_in_row}); lower train.learning_rate "
-                                f"or check the reward functions"
-                            )
-                    else:
-                        state["nonfinite_in_row"] = 0
+                    count_nonfinite(result, state, step, tcfg.max_nonfinite_in_row)
                     update_stats = dict(result.stats, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr)
             t_end = time.perf_counter()
 

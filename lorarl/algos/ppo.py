@@ -56,7 +56,7 @@ from lorarl.model import REFERENCE, SharedBase
 from lorarl.ops import masked_mean, masked_var, masked_whiten
 from lorarl.rewards import RewardScorer, is_correct
 from lorarl.rollout import Rollout, generate_rollout
-from lorarl.update import make_scheduler, micro_batches, optimizer_step_halving
+from lorarl.update import count_nonfinite, make_scheduler, micro_batches, optimizer_step_halving
 
 POLICY, CRITIC = "policy", "critic"
 PLOT_PANELS = (
@@ -402,17 +402,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     history: list[dict] = []
 
     def check_nonfinite(result, step: int, who: str) -> None:
-        if result.skipped:
-            state["skipped_updates"] += 1
-            state["nonfinite_in_row"] += 1
-            tqdm.write(f"step {step}: non-finite {who} loss or gradient, update skipped")
-            if state["nonfinite_in_row"] >= tcfg.max_nonfinite_in_row:
-                raise LorarlError(
-                    f"step {step}: {state['nonfinite_in_row']} non-finite losses or gradients in a row "
-                    f"(train.max_nonfinite_in_row={tcfg.max_nonfinite_in_row}); lower train.learning_rate"
-                )
-        else:
-            state["nonfinite_in_row"] = 0
+        count_nonfinite(result, state, step, tcfg.max_nonfinite_in_row, who)
 
     try:
         for step in range(start_step + 1, last_step + 1):

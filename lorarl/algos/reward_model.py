@@ -38,7 +38,7 @@ from lorarl.losses import bradley_terry_loss
 from lorarl.metrics import MetricsLogger, plot_metrics
 from lorarl.model import HEAD_FILE, SharedBase
 from lorarl.preferences import PreferenceSet, load_preferences, pad_batch
-from lorarl.update import make_scheduler, micro_batches, optimizer_step
+from lorarl.update import count_nonfinite, make_scheduler, micro_batches, optimizer_step
 
 REWARD = "reward"
 PLOT_PANELS = (
@@ -206,13 +206,9 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     state = {"nonfinite_in_row": 0, "skipped_updates": 0}
     start_step = 0
     if resume:
-        from lorarl.checkpoint import latest_checkpoint, load_checkpoint
+        from lorarl.checkpoint import resume_into
 
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            saved = load_checkpoint(ckpt, shared, {REWARD: optimizer}, {REWARD: scheduler})
-            start_step = int(saved["step"])
-            state.update({k: saved[k] for k in state if k in saved})
+        start_step = resume_into(run_dir, shared, {REWARD: optimizer}, {REWARD: scheduler}, state)
     logger = MetricsLogger(run_dir, resume_step=start_step if resume else None)
 
     from tqdm.auto import tqdm
@@ -238,17 +234,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                     max_grad_norm=tcfg.max_grad_norm,
                     scheduler=scheduler,
                 )
-            if result.skipped:
-                state["skipped_updates"] += 1
-                state["nonfinite_in_row"] += 1
-                tqdm.write(f"step {step}: non-finite loss or gradient, update skipped")
-                if state["nonfinite_in_row"] >= tcfg.max_nonfinite_in_row:
-                    raise LorarlError(
-                        f"step {step}: {state['nonfinite_in_row']} non-finite losses or gradients in a row "
-                        f"(train.max_nonfinite_in_row={tcfg.max_nonfinite_in_row}); lower train.learning_rate"
-                    )
-            else:
-                state["nonfinite_in_row"] = 0
+            count_nonfinite(result, state, step, tcfg.max_nonfinite_in_row)
 
             # 3. Held-out pairwise accuracy ---------------------------------------------------------------------
             row = {
