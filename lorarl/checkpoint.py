@@ -58,7 +58,11 @@ def _rng_to_saveable(state: dict) -> dict:
     np_state = state["numpy"]
     out = {
         "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)), *[_plain(x) for x in np_state[2:]]],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            *[_plain(x) for x in np_state[2:]],
+        ],
         "torch": state["torch"],
     }
     if "cuda" in state:

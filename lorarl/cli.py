@@ -61,7 +61,9 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         if not args.force:
-            raise LorarlError(f"{out}: run directory is not empty; pass --resume to continue it or --force to start over")
+            raise LorarlError(
+                f"{out}: run directory is not empty; pass --resume to continue it or --force to start over"
+            )
         import shutil
 
         shutil.rmtree(out)
@@ -110,7 +112,9 @@ def cmd_bench(args) -> int:
 def cmd_plan(args) -> int:
     from lorarl.plan import plan_recipe
 
-    result = plan_recipe(args.recipe, budget_gb=args.budget_gb, model_config=args.model_config, overrides=list(args.overrides))
+    result = plan_recipe(
+        args.recipe, budget_gb=args.budget_gb, model_config=args.model_config, overrides=list(args.overrides)
+    )
     _print_json_last(result)
     return 0
 
@@ -149,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="export folder (written atomically)")
     x.add_argument("--format", choices=["merged", "adapter", "verl", "openrlhf"], default="merged")
     x.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    x.add_argument("--checkpoint", default=None, help="a step checkpoint name (step-NNNNNN) instead of the final adapter")
+    x.add_argument(
+        "--checkpoint", default=None, help="a step checkpoint name (step-NNNNNN) instead of the final adapter"
+    )
     x.add_argument("--force", action="store_true", help="replace an existing export folder")
     x.set_defaults(func=cmd_export)
 

@@ -81,7 +81,12 @@ class DataConfig:
         _check(self.eval_size >= 1, where, "data.eval_size", "must be >= 1")
         _check(1 <= self.digits <= 6, where, "data.digits", "must be in 1..6")
         bad = [op for op in self.operations if op not in ("+", "-", "*")]
-        _check(not bad and self.operations, where, "data.operations", f"must be a non-empty list of + - *, got {self.operations}")
+        _check(
+            not bad and self.operations,
+            where,
+            "data.operations",
+            f"must be a non-empty list of + - *, got {self.operations}",
+        )
         _check(self.max_prompt_tokens >= 1, where, "data.max_prompt_tokens", "must be >= 1")
         try:
             self.prompt_template.format(a=1, op="+", b=2)
@@ -137,7 +142,12 @@ class TrainConfig:
     def validate(self, where: str) -> None:
         _check(self.steps >= 1, where, "train.steps", "must be >= 1")
         _check(self.prompts_per_step >= 1, where, "train.prompts_per_step", "must be >= 1")
-        _check(self.micro_batch_size == "auto" or self.micro_batch_size >= 1, where, "train.micro_batch_size", "must be >= 1 or 'auto'")
+        _check(
+            self.micro_batch_size == "auto" or self.micro_batch_size >= 1,
+            where,
+            "train.micro_batch_size",
+            "must be >= 1 or 'auto'",
+        )
         _check(self.learning_rate > 0, where, "train.learning_rate", "must be > 0")
         _check(self.warmup_steps >= 0, where, "train.warmup_steps", "must be >= 0")
         _check(self.weight_decay >= 0, where, "train.weight_decay", "must be >= 0")
@@ -146,7 +156,9 @@ class TrainConfig:
         _check(self.keep_last >= 1, where, "train.keep_last", "must be >= 1")
         _check(self.log_every >= 1, where, "train.log_every", "must be >= 1")
         _check(self.max_nonfinite_in_row >= 1, where, "train.max_nonfinite_in_row", "must be >= 1")
-        _check(0 < self.max_reward_failure_fraction <= 1, where, "train.max_reward_failure_fraction", "must be in (0, 1]")
+        _check(
+            0 < self.max_reward_failure_fraction <= 1, where, "train.max_reward_failure_fraction", "must be in (0, 1]"
+        )
         _check(self.reward_timeout_s >= 0, where, "train.reward_timeout_s", "must be >= 0 (0: no limit)")
 
 
@@ -213,10 +225,20 @@ class PPOConfig:
     def validate(self, where: str) -> None:
         _check(self.epochs >= 1, where, "ppo.epochs", "must be >= 1")
         _check(self.ptx_batch_size >= 1, where, "ppo.ptx_batch_size", "must be >= 1")
-        _check(self.critic_learning_rate is None or self.critic_learning_rate > 0, where, "ppo.critic_learning_rate", "must be > 0 or null")
+        _check(
+            self.critic_learning_rate is None or self.critic_learning_rate > 0,
+            where,
+            "ppo.critic_learning_rate",
+            "must be > 0 or null",
+        )
         _check(self.huber_delta > 0, where, "ppo.huber_delta", "must be > 0")
         _check(self.reward_clip is None or self.reward_clip > 0, where, "ppo.reward_clip", "must be > 0 or null")
-        _check(self.target_approx_kl is None or self.target_approx_kl > 0, where, "ppo.target_approx_kl", "must be > 0 or null")
+        _check(
+            self.target_approx_kl is None or self.target_approx_kl > 0,
+            where,
+            "ppo.target_approx_kl",
+            "must be > 0 or null",
+        )
         _check(not self.adaptive_kl or self.kl_coef > 0, where, "ppo.kl_coef", "must be > 0 when ppo.adaptive_kl is on")
         _check(self.minibatch_size >= 1, where, "ppo.minibatch_size", "must be >= 1")
         _check(self.clip_eps > 0, where, "ppo.clip_eps", "must be > 0")
@@ -242,9 +264,13 @@ class RewardModelConfig:
     center_coef: float = 0.0  # reward centering term coef * (r_c + r_r)^2
     max_length: int = 512  # pairs whose longer side has more tokens are dropped (counted), like TRL
     eval_every: int = 0  # held-out pairwise accuracy every N steps (0: only at the end)
+    # sequences of a micro-batch are sorted by length and scored in forwards of at most this many padded tokens
+    # (less padding: a 50-token answer is not padded to its 160-token neighbour); 0 = one forward per micro-batch
+    max_tokens_per_forward: int = 4096
 
     def validate(self, where: str) -> None:
         _check(self.epochs >= 1, where, "reward_model.epochs", "must be >= 1")
+        _check(self.max_tokens_per_forward >= 0, where, "reward_model.max_tokens_per_forward", "must be >= 0")
         _check(self.batch_size >= 1, where, "reward_model.batch_size", "must be >= 1")
         _check(self.center_coef >= 0, where, "reward_model.center_coef", "must be >= 0")
         _check(self.max_length >= 2, where, "reward_model.max_length", "must be >= 2")

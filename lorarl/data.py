@@ -160,7 +160,9 @@ def prompt_text(prompt: Any, tokenizer, system_prompt: str | None, i: int = 0) -
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if prompt is None:
         raise DataError(f"row {i}: column 'prompt' is missing")
-    raise DataError(f"row {i}: column 'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
+    raise DataError(
+        f"row {i}: column 'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}"
+    )
 
 
 def encode_prompt(text: str, tokenizer, templated: bool) -> list[int]:

@@ -33,7 +33,9 @@ def resolve_checkpoint(checkpoint: str) -> Path | None:
         return None
     path = Path(checkpoint).expanduser()
     if not path.exists():
-        raise LorarlError(f"checkpoint {checkpoint}: no such folder (give a run directory, an adapter folder or `base`)")
+        raise LorarlError(
+            f"checkpoint {checkpoint}: no such folder (give a run directory, an adapter folder or `base`)"
+        )
     candidates = [path, path / POLICY]
     if (path / "checkpoints").is_dir():
         steps = sorted(p for p in (path / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())

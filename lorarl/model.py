@@ -180,7 +180,11 @@ class SharedBase:
             p.requires_grad_(False)
         if self.cfg.gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            kw = "activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else "gradient_checkpointing_kwargs"
+            kw = (
+                "activation_checkpointing_kwargs"
+                if enable.__name__.startswith("activation")
+                else "gradient_checkpointing_kwargs"
+            )
             enable(**{kw: {"use_reentrant": False}})
         model.config.use_cache = False
         model.eval()
@@ -316,7 +320,9 @@ class SharedBase:
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states [B, T, H] of the active role (no logits computed)."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self._decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = self._decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         return out.last_hidden_state
 
     def token_logprobs(

@@ -442,6 +442,9 @@ class PlanSettings:
     training_entropy: bool = True  # the loops compute the policy's entropy in every training forward
     device: str = "cuda"  # cuda | cpu (the cuBLAS workspace is a CUDA term)
     share_prompts: bool = True  # GRPO rollouts prefill / score each distinct prompt once (lorarl.rollout)
+    # GRPO training under checkpointing packs each micro-batch's completions behind their shared prompt
+    # (lorarl.rollout.pack_completions); False: one full row per completion (what docs/plan_validation measured)
+    packed_training: bool = True
 
     @property
     def rows(self) -> int:
@@ -561,6 +564,18 @@ def estimate_memory(shape: ModelShape, settings: PlanSettings | None = None, **o
     # training: checkpoints of every layer + the larger of (a chunk of logits, one layer recomputed)
     per_layer = layer_train_bytes_per_token(shape, dt, targets)
     tok = mb * T
+    attention_mask = 3 * mb * T * T
+    packed = s.packed_training and s.share_prompts and s.algo == "grpo" and s.group_size > 1
+    if packed and s.gradient_checkpointing:
+        # packs [prompt | c_1 | ... | c_k]: k completions per pack (PACK_TOKENS), one more pack when a micro-batch
+        # starts inside a group; a 4-D additive mask of R x L x L in the compute dtype (+ the bool it is built from)
+        from lorarl.rollout import PACK_TOKENS
+
+        per_pack = max(1, min(s.group_size, mb, (PACK_TOKENS - P) // max(C, 1)))
+        n_packs = min(mb, math.ceil(mb / per_pack) + (1 if mb % s.group_size else 0))
+        pack_len = P + per_pack * C
+        tok = n_packs * pack_len
+        attention_mask = n_packs * pack_len * pack_len * (dt + 1)
     ckpt_key = "checkpoints" if s.gradient_checkpointing else "saved_activations"  # every layer's, without
     checkpoints = L * tok * H * dt if s.gradient_checkpointing else L * tok * per_layer
     logit_extra = LOGIT_BYTES_TRAIN_EXTRA if s.training_entropy else LOGIT_BYTES_TRAIN_EXTRA - 6
@@ -577,7 +592,7 @@ def estimate_memory(shape: ModelShape, settings: PlanSettings | None = None, **o
             ckpt_key: checkpoints,
             "layer_recompute": tok * per_layer if s.gradient_checkpointing else 0,
             "dequantized_weight": dequant,
-            "attention_mask": 3 * mb * T * T,
+            "attention_mask": attention_mask,
         },
     }
     phase_moments = {"generation": gen_moments, "scoring": scoring_moments, "training": train_moments}

@@ -157,7 +157,11 @@ def length_penalty(
     """
     if buffer <= 0 or buffer > max_length:
         raise ValueError(f"length_penalty needs 0 < buffer <= max_length, got buffer={buffer}, max_length={max_length}")
-    lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(completion_text(c)) for c in completions]
+    lengths = (
+        [len(ids) for ids in completion_ids]
+        if completion_ids is not None
+        else [len(completion_text(c)) for c in completions]
+    )
     start = max_length - buffer
     return [0.0 if n <= start else (-1.0 if n > max_length else (start - n) / buffer) for n in lengths]
 
@@ -344,7 +348,6 @@ class RewardScorer:
     def failure_fraction(self) -> float:
         return self.failures / self.calls if self.calls else 0.0
 
-
     def check_failure_budget(self, max_fraction: float, last_failures: dict | None = None, min_calls: int = 4) -> None:
         """Raise LorarlError once at least ``min_calls`` calls were made and more than ``max_fraction`` failed
         (``train.max_reward_failure_fraction``); ``last_failures`` (name -> error) goes into the message."""
@@ -354,6 +357,7 @@ class RewardScorer:
                 f"reward functions failed in {self.failures} of {self.calls} calls ({self.failure_fraction:.0%} > "
                 f"train.max_reward_failure_fraction={max_fraction:g}); last: {last}"
             )
+
     def __call__(
         self,
         prompts: list,
@@ -370,7 +374,9 @@ class RewardScorer:
         for k, (fn, name) in enumerate(zip(self.fns, self.names)):
             self.calls += 1
             try:
-                values = call_with_timeout(lambda fn=fn: fn(prompts=prompts, completions=completions, **columns), self.timeout_s)
+                values = call_with_timeout(
+                    lambda fn=fn: fn(prompts=prompts, completions=completions, **columns), self.timeout_s
+                )
                 matrix[:, k] = _as_column(values, n)
             except Exception as e:  # isolation: any failure of a user's function is recorded, never fatal here
                 self.failures += 1

@@ -160,10 +160,12 @@ def completion_logprobs(
     P = rollout.prompt_ids.shape[1]
     starts, inverse = prompt_groups(rollout.prompt_index)
     checkpointing = shared.module.training and shared.cfg.gradient_checkpointing
-    if not share_prompts or len(starts) == len(rollout) or P < 2 or checkpointing:
+    if not share_prompts or len(starts) == len(rollout) or P < 2:
         return shared.token_logprobs(
             rollout.input_ids.to(shared.device), rollout.attention_mask.to(shared.device), P, temperature, with_entropy
         )
+    if checkpointing:
+        return packed_completion_logprobs(shared, rollout, temperature, with_entropy)
     from transformers import DynamicCache
 
     from lorarl.model import chunked_token_logprobs
@@ -173,13 +175,19 @@ def completion_logprobs(
     starts_t = torch.as_tensor(starts, dtype=torch.long)
     p_ids, p_mask = rollout.prompt_ids[starts_t].to(dev), rollout.prompt_mask[starts_t].long().to(dev)  # [U, P]
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
-    out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=DynamicCache(), use_cache=True)
+    out = decoder(
+        input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=DynamicCache(), use_cache=True
+    )
     cache = out.past_key_values
     cache.batch_select_indices(inverse.to(dev))  # [U, ...] -> [B, ...], differentiable indexing
     full_mask = rollout.attention_mask.to(dev)  # [B, P + T]
     c_pos = ((full_mask.cumsum(-1) - 1).clamp(min=0))[:, P:]  # [B, T]
     c_out = decoder(
-        input_ids=rollout.completion_ids.to(dev), attention_mask=full_mask, position_ids=c_pos, past_key_values=cache, use_cache=True
+        input_ids=rollout.completion_ids.to(dev),
+        attention_mask=full_mask,
+        position_ids=c_pos,
+        past_key_values=cache,
+        use_cache=True,
     )
     last_prompt = out.last_hidden_state[:, -1:][inverse.to(dev)]  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
@@ -189,8 +197,110 @@ def completion_logprobs(
     )
 
 
+PACK_TOKENS = 1024  # a pack holds one prompt and as many of its completions as fit in this many tokens
+
+
+@dataclass
+class PrefixPacks:
+    """Completions packed behind their shared prompt, one pack per row (see :func:`pack_completions`).
+
+    input_ids [R, L], position_ids [R, L] long; attention_mask [R, 1, L, L] bool (True: query may attend to key);
+    pack [B, T] and column [B, T] long: where the hidden state that predicts completion token ``(b, t)`` sits.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    pack: Tensor
+    column: Tensor
+
+
+def pack_completions(rollout: Rollout, pad_id: int, pack_tokens: int = PACK_TOKENS) -> PrefixPacks:
+    """Lay out the rows of ``rollout`` as packs ``[prompt | completion 1 | completion 2 | ...]``: each distinct
+    prompt is written once and its completions follow it (only their masked tokens). Every completion token
+    attends to the whole prompt and causally to its own completion, never to a sibling; its position id continues
+    the prompt's (``p, p+1, ...``), so each completion sees exactly what it sees in its own row. A pack is closed
+    when the next completion would take it past ``pack_tokens`` (a pack always takes at least one completion).
+    Padding attends only to itself (no empty softmax rows).
+
+    Example: prompt ``[a, b]``, completions ``[x, y]`` and ``[z]`` -> ids ``[a, b, x, y, z]``, positions
+    ``[0, 1, 2, 3, 2]``; ``z`` attends to ``a, b, z``; ``x`` is predicted at column 1 (``b``), ``y`` at 2, ``z`` at 1.
+    """
+    B, T = rollout.completion_ids.shape
+    packs: list[tuple[list[int], list[int], list[int]]] = []  # (ids, positions, segment: -1 prompt, k completion k)
+    pack_of = torch.zeros(B, T, dtype=torch.long)
+    column_of = torch.zeros(B, T, dtype=torch.long)
+    open_pack: dict[int, int] = {}  # prompt index -> its pack still taking completions
+    for b in range(B):
+        prompt = rollout.prompt_ids[b][rollout.prompt_mask[b]].tolist()
+        completion = rollout.completion_ids[b][rollout.completion_mask[b]].tolist()
+        key = rollout.prompt_index[b]
+        k = open_pack.get(key)
+        if k is None or len(packs[k][0]) + len(completion) > max(pack_tokens, len(prompt) + len(completion)):
+            k = len(packs)
+            packs.append((list(prompt), list(range(len(prompt))), [-1] * len(prompt)))
+            open_pack[key] = k
+        ids, pos, seg = packs[k]
+        p, start = len(prompt), len(ids)
+        ids.extend(completion)
+        pos.extend(range(p, p + len(completion)))
+        seg.extend([b] * len(completion))
+        pack_of[b] = k
+        cols = torch.arange(T) + start - 1  # token t is predicted by the state just before it ...
+        cols[0] = p - 1  # ... and the first one by the prompt's last token
+        column_of[b] = cols.clamp(max=max(start + len(completion) - 1, p - 1))
+    L = max(len(ids) for ids, _, _ in packs)
+    R = len(packs)
+    input_ids = torch.full((R, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((R, L), dtype=torch.long)
+    segment = torch.full((R, L), -2, dtype=torch.long)  # -2: padding
+    for r, (ids, pos, seg) in enumerate(packs):
+        input_ids[r, : len(ids)] = torch.as_tensor(ids)
+        position_ids[r, : len(ids)] = torch.as_tensor(pos)
+        segment[r, : len(ids)] = torch.as_tensor(seg)
+    q_seg, k_seg = segment[:, :, None], segment[:, None, :]  # [R, L, 1], [R, 1, L]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    same = (k_seg == q_seg) & (q_seg != -2)
+    allowed = causal & ((k_seg == -1) | same)
+    allowed |= torch.eye(L, dtype=torch.bool)  # padding rows see themselves
+    return PrefixPacks(input_ids, position_ids, allowed[:, None], pack_of, column_of)
+
+
+def packed_completion_logprobs(
+    shared: SharedBase, rollout: Rollout, temperature: float, with_entropy: bool = False, pack_tokens: int = PACK_TOKENS
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`completion_logprobs` through prompt-sharing packs (:func:`pack_completions`): one plain forward with
+    a 4-D attention mask and no cache, so it works under activation checkpointing. For ``G`` completions of a
+    ``P``-token prompt the model runs ``P + sum(lengths)`` tokens instead of ``G * (P + T)``. Positions past a
+    row's completion mask get log-prob (and entropy) 0."""
+    from lorarl.model import chunked_token_logprobs
+
+    dev = shared.device
+    packs = pack_completions(rollout, shared.tokenizer.pad_token_id, pack_tokens)
+    decoder = shared._decoder()
+    dtype = decoder.get_input_embeddings().weight.dtype
+    bias = torch.zeros(packs.attention_mask.shape, dtype=dtype)
+    bias.masked_fill_(~packs.attention_mask, torch.finfo(dtype).min)  # additive: works for eager and sdpa
+    out = decoder(
+        input_ids=packs.input_ids.to(dev),
+        attention_mask=bias.to(dev),
+        position_ids=packs.position_ids.to(dev),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state[packs.pack.to(dev), packs.column.to(dev)]  # [B, T, H]
+    head = (shared.peft.get_base_model() if shared.peft is not None else shared.base).get_output_embeddings()
+    mask = rollout.completion_mask.to(dev)
+    lp, ent = chunked_token_logprobs(
+        hidden, head, rollout.completion_ids.to(dev), temperature, shared.cfg.logprob_chunk_size, with_entropy
+    )
+    lp = lp.masked_fill(~mask, 0.0)
+    return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)
+
+
 @torch.no_grad()
-def sequence_logprobs(shared: SharedBase, role: str, rollout: Rollout, temperature: float, batch_size: int | None = None) -> Tensor:
+def sequence_logprobs(
+    shared: SharedBase, role: str, rollout: Rollout, temperature: float, batch_size: int | None = None
+) -> Tensor:
     """Completion log-probs ``[N, T]`` under ``role`` (dropout off), ``batch_size`` rows at a time."""
     n = len(rollout)
     step = batch_size or n
@@ -272,7 +382,10 @@ def generate_rollout(
         else:
             step = batch_size or n
             for s in range(0, n, step):
-                ids, mask = prompt_ids[s : s + step].to(shared.device), prompt_mask[s : s + step].long().to(shared.device)
+                ids, mask = (
+                    prompt_ids[s : s + step].to(shared.device),
+                    prompt_mask[s : s + step].long().to(shared.device),
+                )
                 out = shared.generate(ids, mask, **kwargs)
                 chunks.append((s, out[:, P:].cpu()))
     width = max(c.shape[1] for _, c in chunks)

@@ -254,7 +254,7 @@ def worker(args) -> dict:
     from lorarl.losses import kl_k3, ppo_clip_loss, reduce_loss, value_loss
     from lorarl.model import SharedBase
     from lorarl.plan import PlanSettings, estimate_memory, model_shape
-    from lorarl.rollout import generate_rollout
+    from lorarl.rollout import completion_logprobs, generate_rollout
     from lorarl.update import micro_batches, optimizer_step
 
     t0 = time.perf_counter()
@@ -341,11 +341,9 @@ def worker(args) -> dict:
 
             def grpo_loss(mb_rows, rollout=rollout, adv=adv, loss_mask=loss_mask, N=N, total_tokens=total_tokens):
                 mb = rollout.select(mb_rows)
-                Pm = mb.prompt_ids.shape[1]
-                ids, att = mb.input_ids.to(device), mb.attention_mask.to(device)
                 mask = loss_mask[mb_rows].to(device)
-                with shared.role("policy", train=True):
-                    lp, ent = shared.token_logprobs(ids, att, Pm, gen.temperature, with_entropy=True)
+                with shared.role("policy", train=True):  # as grpo.py: completions packed behind shared prompts
+                    lp, ent = completion_logprobs(shared, mb, gen.temperature, with_entropy=True)
                 old = lp.detach()
                 per_token, _ = ppo_clip_loss(lp, old, adv[mb_rows].to(device), mask, 0.2, 0.2)
                 if mb.ref_logprobs is not None:

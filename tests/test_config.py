@@ -56,7 +56,9 @@ def test_unreadable_yaml_and_missing_file(tmp_path):
 
 def test_overrides_apply_before_validation_and_types_convert(tmp_path):
     path = _write(tmp_path, "train:\n  steps: 3\ngrpo:\n  kl_coef: 0\n")
-    r = load_recipe(path, ["train.steps=7", "grpo.kl_coef=0.04", "lora.target_modules=[q_proj, v_proj]", "model.init_adapter=null"])
+    r = load_recipe(
+        path, ["train.steps=7", "grpo.kl_coef=0.04", "lora.target_modules=[q_proj, v_proj]", "model.init_adapter=null"]
+    )
     assert r.train.steps == 7 and r.grpo.kl_coef == 0.04 and isinstance(r.grpo.kl_coef, float)
     assert r.lora.target_modules == ["q_proj", "v_proj"]
     assert r.model.init_adapter is None

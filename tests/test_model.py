@@ -35,9 +35,12 @@ def test_roles_share_one_set_of_base_weights(tiny_shared):
     # the same base tensors back every role: the PeftModel wraps the very module we loaded
     assert sb.peft.get_base_model() is sb.base
     q = sb.peft.get_base_model().model.layers[0].self_attn.q_proj
-    assert q.base_layer.weight.data_ptr() == next(
-        p for n, p in sb.base.named_parameters() if n.endswith("layers.0.self_attn.q_proj.base_layer.weight")
-    ).data_ptr()
+    assert (
+        q.base_layer.weight.data_ptr()
+        == next(
+            p for n, p in sb.base.named_parameters() if n.endswith("layers.0.self_attn.q_proj.base_layer.weight")
+        ).data_ptr()
+    )
     sizes = sb.parameter_bytes()
     assert sizes["base"] == bytes_base_alone
     total = sum(sizes.values())
@@ -115,7 +118,11 @@ def test_role_switch_restores_state_when_body_raises(tiny_shared):
     assert not sb.module.training
     with pytest.raises(RuntimeError):
         with sb.role("reference"):
-            assert sb.peft._adapters_disabled or not sb.peft.base_model._adapters_enabled if hasattr(sb.peft.base_model, "_adapters_enabled") else True
+            assert (
+                sb.peft._adapters_disabled or not sb.peft.base_model._adapters_enabled
+                if hasattr(sb.peft.base_model, "_adapters_enabled")
+                else True
+            )
             raise RuntimeError("inside reference")
     # adapters enabled again: policy output differs from the base's
     ids, mask = _batch(sb.tokenizer, ["abc def"])
@@ -179,7 +186,9 @@ def _peak_rss_growth(mode: str) -> int:
 
     # a fixed mmap threshold makes glibc return freed blocks to the OS, so peak RSS tracks live tensors
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, mode], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, mode], capture_output=True, text=True, check=True, env=env
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 

@@ -188,7 +188,10 @@ def test_predictions_stay_within_15_percent_of_the_recorded_h100_peaks():
     worst = 0.0
     n = 0
     for fname, model, _algo, run in _recorded_runs():
-        settings = PlanSettings(**{k: v for k, v in run["settings"].items() if k in fields})
+        # runs recorded before packed GRPO training measured one full row per completion
+        settings = PlanSettings(
+            **{"packed_training": False, **{k: v for k, v in run["settings"].items() if k in fields}}
+        )
         est = estimate_memory(model_shape(model), settings)
         for phase, r in run["phases"].items():
             keys = [phase, "optimizer"] if "training" in phase else [phase]

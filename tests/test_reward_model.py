@@ -125,3 +125,40 @@ def test_reward_model_needs_preference_data(tiny_model_dir, tmp_path):
     d["data"] = {"source": "arithmetic"}
     with pytest.raises(DataError, match="preference pairs"):
         reward_model.train(recipe_from_dict(d), tmp_path / "run")
+
+
+def test_length_groups_by_hand():
+    # sorted by length: 2 (i=1), 3 (i=3), 5 (i=0), 9 (i=2); budget 10 padded tokens
+    assert reward_model.length_groups([5, 2, 9, 3], 10) == [[1, 3], [0], [2]]
+    assert reward_model.length_groups([5, 2, 9, 3], 0) == [[0, 1, 2, 3]]
+    assert reward_model.length_groups([50], 10) == [[0]]  # a group always takes one sequence
+
+
+def test_length_grouped_scores_and_gradients_equal_one_padded_forward(tiny_model_dir):
+    """Scoring in length-sorted groups is an exact rewrite of one padded forward: same scores, same gradients."""
+    from lorarl.config import LoraSettings, ModelConfig
+    from lorarl.model import SharedBase
+
+    sb = SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32"))
+    sb.add_adapter("reward", LoraSettings(r=4), head=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in sb.adapter_parameters("reward"):
+            p.add_(torch.randn_like(p) * 0.1)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in (3, 17, 5, 30, 9, 12)]
+    params = sb.trainable_parameters("reward")
+    results = []
+    for budget in (40, 0):
+        with sb.role("reward", train=True):
+            s = reward_model.score_sequences(sb, seqs, budget)
+            (s * torch.arange(1.0, 7.0)).sum().backward()
+        results.append((s.detach(), [p.grad.clone() for p in params]))
+        for p in params:
+            p.grad = None
+    (s_g, g_g), (s_1, g_1) = results
+    assert len(reward_model.length_groups([len(x) for x in seqs], 40)) > 2
+    torch.testing.assert_close(s_g, s_1, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_g, g_1):
+        assert float(b.abs().max()) > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))

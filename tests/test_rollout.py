@@ -8,10 +8,12 @@ import torch
 
 from lorarl.config import GenerationConfig, LoraSettings
 from lorarl.rollout import (
+    Rollout,
     completion_logprobs,
     completion_mask,
     eos_token_ids,
     generate_rollout,
+    pack_completions,
     pad_left,
     prompt_groups,
 )
@@ -173,13 +175,18 @@ def test_prompt_groups():
     assert starts == [0, 2] and inverse.tolist() == [0, 0, 1, 0]
 
 
-def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tiny_model_dir, monkeypatch):
-    """Running each distinct prompt once and indexing its KV cache out to its rows is an exact rewrite."""
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kv-cache", "packs-under-checkpointing"])
+def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tiny_model_dir, monkeypatch, checkpointing):
+    """Each distinct prompt runs once -- its KV cache indexed out to its rows (no checkpointing), or its completions
+    packed behind it with a 4-D mask (checkpointing) -- and the completion log-probs, entropies and LoRA gradients
+    equal one plain full forward of every row."""
     from lorarl.config import ModelConfig
     from lorarl.model import SharedBase
 
     sb = SharedBase.load(
-        ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32", gradient_checkpointing=False)
+        ModelConfig(
+            name=str(tiny_model_dir), quantization="none", dtype="float32", gradient_checkpointing=checkpointing
+        )
     )
     sb.add_adapter("policy", LoraSettings(r=4))
     torch.manual_seed(3)
@@ -188,19 +195,20 @@ def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tiny_mod
             p.add_(torch.randn_like(p) * 0.1)
     prompts = _prompts(sb, ["What is 12 + 7?", "A longer prompt that gets left padding less"])
     torch.manual_seed(2)
-    r = generate_rollout(sb, prompts, GenerationConfig(max_new_tokens=5), group_size=3)
-    mb = r.select([0, 2, 3, 4, 5])  # a micro-batch that cuts a group
+    r = generate_rollout(sb, prompts, GenerationConfig(max_new_tokens=6), group_size=4)
+    mb = r.select([0, 2, 3, 4, 5, 7])  # a micro-batch that cuts both groups
     params = sb.trainable_parameters("policy")
     results = []
     full_forward = sb.token_logprobs
     for share in (True, False):
         calls = []
         monkeypatch.setattr(sb, "token_logprobs", lambda *a, calls=calls, **k: calls.append(1) or full_forward(*a, **k))
-        with sb.role("policy", train=True):
+        with sb.role("policy", train=True):  # backward inside: checkpointing recomputes with the active adapter
+            assert sb.module.training and sb.cfg.gradient_checkpointing == checkpointing
             lp, ent = completion_logprobs(sb, mb, temperature=0.8, with_entropy=True, share_prompts=share)
-        m = mb.completion_mask
-        (lp[m].sum() + 0.1 * ent[m].sum()).backward()
-        assert len(calls) == (0 if share else 1)  # the shared path never runs the full forward
+            m = mb.completion_mask
+            (lp[m].sum() + 0.1 * ent[m].sum()).backward()
+        assert len(calls) == (0 if share else 1)  # the shared paths never run the full forward
         results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in params]))
         for p in params:
             p.grad = None
@@ -209,4 +217,39 @@ def test_shared_prompt_forward_equals_full_forward_values_and_gradients(tiny_mod
     torch.testing.assert_close(lp_s[m], lp_f[m], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ent_s[m], ent_f[m], rtol=1e-4, atol=1e-5)
     for a, b in zip(g_s, g_f):
+        assert float(b.abs().max()) > 0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+    if checkpointing:
+        assert float(lp_s[~m].abs().sum()) == 0.0  # positions past a completion get 0
+        assert pack_completions(mb, sb.tokenizer.pad_token_id).input_ids.shape[0] == 2  # one pack per prompt
+
+
+def test_pack_completions_layout_matches_docstring_example():
+    """Prompt [a, b] with completions [x, y] and [z]: one pack, siblings never see each other."""
+    a, b, x, y, z, pad = 11, 12, 21, 22, 23, 0
+    r = Rollout(
+        prompt_ids=torch.tensor([[a, b], [a, b]]),
+        prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+        completion_ids=torch.tensor([[x, y], [z, pad]]),
+        completion_mask=torch.tensor([[True, True], [True, False]]),
+        truncated=torch.tensor([True, False]),
+        completions=["", ""],
+        prompt_index=[0, 0],
+        group_size=2,
+    )
+    p = pack_completions(r, pad_id=pad)
+    assert p.input_ids.tolist() == [[a, b, x, y, z]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 2]]
+    assert p.column[0].tolist() == [1, 2] and p.column[1].tolist()[0] == 1 and p.pack.unique().tolist() == [0]
+    m = p.attention_mask[0, 0].int().tolist()
+    assert m == [
+        [1, 0, 0, 0, 0],  # a
+        [1, 1, 0, 0, 0],  # b
+        [1, 1, 1, 0, 0],  # x: prompt + itself
+        [1, 1, 1, 1, 0],  # y: prompt + x + itself
+        [1, 1, 0, 0, 1],  # z: prompt + itself, not x / y
+    ]
+    # a tiny pack budget splits the group: each completion gets its own copy of the prompt
+    p2 = pack_completions(r, pad_id=pad, pack_tokens=3)
+    assert p2.input_ids.tolist() == [[a, b, x, y], [a, b, z, pad]]
+    assert p2.pack[:, 0].tolist() == [0, 1]

@@ -316,7 +316,11 @@ def test_out_of_memory_halves_the_micro_batch_and_gives_the_full_batch_gradient(
         halvings = []
         rows = torch.arange(12)
         result, size = optimizer_step_halving(
-            [w], opt, lambda n: (rows[s] for s in micro_batches(12, n)), 12, loss_fn,
+            [w],
+            opt,
+            lambda n: (rows[s] for s in micro_batches(12, n)),
+            12,
+            loss_fn,
             on_halve=lambda a, b: halvings.append((a, b)),
         )
         return w.detach(), size, halvings, result

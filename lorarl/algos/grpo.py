@@ -226,7 +226,10 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     for i, why in prompts.skipped[:5]:
         print(f"data: skipped row {i}: {why}", file=sys.stderr)
     if prompts.skipped:
-        print(f"data: skipped {len(prompts.skipped)} bad rows of {prompts.source} (data.on_bad_row: skip)", file=sys.stderr)
+        print(
+            f"data: skipped {len(prompts.skipped)} bad rows of {prompts.source} (data.on_bad_row: skip)",
+            file=sys.stderr,
+        )
     conversational = not isinstance(prompts.rows[0]["prompt"], str)
     scorer = RewardScorer(recipe.rewards, timeout_s=tcfg.reward_timeout_s or None)
     params = shared.trainable_parameters(POLICY)
@@ -330,7 +333,9 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                         loss_fn,
                         max_grad_norm=tcfg.max_grad_norm,
                         scheduler=scheduler,
-                        on_halve=lambda a, b, step=step: tqdm.write(f"step {step}: out of memory at micro-batch {a}, retrying with {b}"),
+                        on_halve=lambda a, b, step=step: tqdm.write(
+                            f"step {step}: out of memory at micro-batch {a}, retrying with {b}"
+                        ),
                     )
                     state["micro_batch_cap"] = mbs
                     count_nonfinite(result, state, step, tcfg.max_nonfinite_in_row)
@@ -346,10 +351,14 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             lengths = rollout.lengths.float()
             step_time = t_end - t0
             row = {
-                "reward_mean": float(torch.nanmean(scores.total)) if (~torch.isnan(scores.total)).any() else float("nan"),
+                "reward_mean": float(torch.nanmean(scores.total))
+                if (~torch.isnan(scores.total)).any()
+                else float("nan"),
                 "reward_std": float(adv.group_std.mean()),
                 **{f"reward/{k}": v for k, v in scores.means().items()},
-                "accuracy": (sum(is_correct(c, a) for c, a in zip(rollout.completions, answers)) / N) if answers else None,
+                "accuracy": (sum(is_correct(c, a) for c, a in zip(rollout.completions, answers)) / N)
+                if answers
+                else None,
                 "zero_std_frac": float(adv.zero_std.float().mean()),
                 "completion_len": float(lengths.mean()),
                 "truncated_frac": float(rollout.truncated.float().mean()),
@@ -374,7 +383,11 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             history.append(row)
             if step % tcfg.log_every == 0 or step == last_step:
                 logger.log(step, row)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}" if row["accuracy"] is not None else "-", len=f"{row['completion_len']:.0f}")
+            bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}",
+                acc=f"{row['accuracy']:.2f}" if row["accuracy"] is not None else "-",
+                len=f"{row['completion_len']:.0f}",
+            )
             bar.update(1)
 
             state["reward_calls"], state["reward_failures"] = scorer.calls, scorer.failures
@@ -382,8 +395,15 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                 from lorarl.checkpoint import save_checkpoint
 
                 save_checkpoint(
-                    run_dir, step, shared, roles_to_save, {POLICY: optimizer}, {POLICY: scheduler},
-                    dict(state), recipe, keep_last=tcfg.keep_last,
+                    run_dir,
+                    step,
+                    shared,
+                    roles_to_save,
+                    {POLICY: optimizer},
+                    {POLICY: scheduler},
+                    dict(state),
+                    recipe,
+                    keep_last=tcfg.keep_last,
                 )
     finally:
         bar.close()

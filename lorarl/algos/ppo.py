@@ -492,7 +492,9 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                         pres, mbs = optimizer_step_halving(
                             policy_params,
                             policy_opt,
-                            lambda size, rl_items=rl_items, ptx_item=ptx_item: rl_items(size) + ([ptx_item] if ptx_item else []),
+                            lambda size, rl_items=rl_items, ptx_item=ptx_item: (
+                                rl_items(size) + ([ptx_item] if ptx_item else [])
+                            ),
                             mbs,
                             policy_fn,
                             max_grad_norm=tcfg.max_grad_norm,

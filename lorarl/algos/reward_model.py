@@ -85,16 +85,44 @@ def load_pairs(recipe: Recipe, tokenizer, split: str, limit: int | None = None) 
     )
 
 
-@torch.no_grad()
-def score_pairs(shared: SharedBase, pairs: PreferenceSet, batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of every pair with the ``reward`` role, dropout off -> ``(r_chosen [n], r_rejected [n])`` fp32 CPU."""
+def length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut into groups whose padded size ``len(group) * longest`` stays within
+    ``max_tokens`` (a group holds at least one sequence; ``max_tokens`` 0: one group, original order)."""
+    if max_tokens <= 0:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def score_sequences(shared: SharedBase, seqs: list[list[int]], max_tokens: int) -> torch.Tensor:
+    """Scores of ``seqs`` with the active ``reward`` role -> [len(seqs)] fp32, in the order given. Sequences are
+    scored in length-sorted groups (:func:`length_groups`), so short ones are not padded to long ones; the scores
+    do not depend on the grouping (each is read at its own last token under a causal mask)."""
     pad = shared.tokenizer.pad_token_id
+    out = [None] * len(seqs)
+    for group in length_groups([len(s) for s in seqs], max_tokens):
+        ids, att = pad_batch([seqs[i] for i in group], pad)
+        scores = shared.scores(ids.to(shared.device), att.to(shared.device), head=REWARD)
+        for k, i in enumerate(group):
+            out[i] = scores[k]
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def score_pairs(
+    shared: SharedBase, pairs: PreferenceSet, batch_size: int = 32, max_tokens: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of every pair with the ``reward`` role, dropout off -> ``(r_chosen [n], r_rejected [n])`` fp32 CPU."""
     rc, rr = [], []
     with shared.role(REWARD, train=False):
         for s in range(0, len(pairs), batch_size):
             seqs = pairs.chosen_ids[s : s + batch_size] + pairs.rejected_ids[s : s + batch_size]
-            ids, att = pad_batch(seqs, pad)
-            scores = shared.scores(ids.to(shared.device), att.to(shared.device), head=REWARD).float().cpu()
+            scores = score_sequences(shared, seqs, max_tokens).float().cpu()
             b = len(seqs) // 2
             rc.append(scores[:b])
             rr.append(scores[b:])
@@ -147,14 +175,20 @@ def resolve_reward_adapter(path: str | os.PathLike, base_dir: str | os.PathLike 
 
 
 def bt_loss(
-    shared: SharedBase, pairs: PreferenceSet, batch_pairs: int, use_margin: bool, center_coef: float, mb: list[int]
+    shared: SharedBase,
+    pairs: PreferenceSet,
+    batch_pairs: int,
+    use_margin: bool,
+    center_coef: float,
+    max_tokens: int,
+    mb: list[int],
 ):
-    """One micro-batch's share of the batch's mean Bradley-Terry loss: chosen and rejected sequences go through the
-    base in one forward pass; ``sum_i loss_i / batch_pairs``. Returns ``(loss, {stat: (sum, count)})``."""
+    """One micro-batch's share of the batch's mean Bradley-Terry loss: chosen and rejected sequences are scored in
+    length-sorted forwards of at most ``max_tokens`` padded tokens; ``sum_i loss_i / batch_pairs``. Returns
+    ``(loss, {stat: (sum, count)})``."""
     seqs = [pairs.chosen_ids[i] for i in mb] + [pairs.rejected_ids[i] for i in mb]
-    ids, att = pad_batch(seqs, shared.tokenizer.pad_token_id)
     with shared.role(REWARD, train=True):
-        scores = shared.scores(ids.to(shared.device), att.to(shared.device), head=REWARD)  # [2b]
+        scores = score_sequences(shared, seqs, max_tokens)  # [2b]
     rc, rr = scores[: len(mb)], scores[len(mb) :]  # [b], [b]
     margin = pairs.margins(mb).to(shared.device) if use_margin else None
     per_pair = bradley_terry_loss(rc, rr, margin, center_coef)  # [b]
@@ -224,7 +258,9 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             idx = batch_indices(n, B, tcfg.seed, step)
 
             # 2. One optimizer step: chosen + rejected in one forward per micro-batch, BT loss / batch pairs ---
-            loss_fn = functools.partial(bt_loss, shared, train_pairs, len(idx), use_margin, cfg.center_coef)
+            loss_fn = functools.partial(
+                bt_loss, shared, train_pairs, len(idx), use_margin, cfg.center_coef, cfg.max_tokens_per_forward
+            )
             with shared.role(REWARD, train=True):  # active through backward too (checkpointing recomputes)
                 result = optimizer_step(
                     params,
@@ -246,7 +282,9 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                 "skipped_updates": state["skipped_updates"],
             }
             if eval_pairs is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
-                eval_result = pairwise_metrics(*score_pairs(shared, eval_pairs, recipe.eval.batch_size), eval_pairs)
+                eval_result = pairwise_metrics(
+                    *score_pairs(shared, eval_pairs, recipe.eval.batch_size, cfg.max_tokens_per_forward), eval_pairs
+                )
                 row["eval_accuracy"] = eval_result["pairwise_accuracy"]
                 row["eval_loss"] = eval_result["loss"]
 
@@ -319,6 +357,8 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
         raise DataError(
             "no held-out preference pairs: set data.eval_source (or use a datasets folder with a test split)"
         )
-    out = pairwise_metrics(*score_pairs(shared, pairs, recipe.eval.batch_size), pairs)
+    out = pairwise_metrics(
+        *score_pairs(shared, pairs, recipe.eval.batch_size, recipe.reward_model.max_tokens_per_forward), pairs
+    )
     out.update({"checkpoint": str(folder), "seconds": round(time.perf_counter() - t0, 1)})
     return out
