@@ -419,9 +419,22 @@ def _build(cls: type, data: Any, prefix: str, where: str) -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]}?)" if close else ""
+            if not close and prefix:
+                elsewhere = _sections_with_key(str(key))
+                hint = f" (did you mean {' or '.join(f'{s}.{key}' for s in elsewhere)}?)" if elsewhere else ""
             raise RecipeError(f"{where}: unknown key {full}{hint}")
         kwargs[key] = _coerce(value, hints[key], full, where)
     return cls(**kwargs)
+
+
+def _sections_with_key(key: str) -> list[str]:
+    """Recipe sections that have ``key`` (for a key put in the wrong section: train.gradient_checkpointing)."""
+    hints = typing.get_type_hints(Recipe)
+    return [
+        f.name
+        for f in dataclasses.fields(Recipe)
+        if dataclasses.is_dataclass(hints[f.name]) and key in {g.name for g in dataclasses.fields(hints[f.name])}
+    ]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

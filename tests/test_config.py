@@ -22,6 +22,11 @@ def _write(tmp_path, text, name="r.yaml"):
     [
         ("grpo:\n  group_sise: 4\n", "grpo.group_sise", "did you mean grpo.group_size"),
         ("trian:\n  steps: 3\n", "trian", "did you mean train"),
+        (
+            "train:\n  gradient_checkpointing: false\n",
+            "train.gradient_checkpointing",
+            "did you mean model.gradient_checkpointing",
+        ),
         ("grpo:\n  group_size: 1\n", "grpo.group_size", "must be >= 2"),
         ("grpo:\n  clip_eps_low: 0\n", "grpo.clip_eps_low", "must be > 0"),
         ("grpo:\n  clip_eps_high: -0.1\n", "grpo.clip_eps_high", "must be > 0"),
@@ -118,3 +123,19 @@ def test_cli_overrides_may_follow_the_options(tmp_path):
     assert res.returncode == 2 and "grpo.group_size must be >= 2" in res.stderr
     res = _cli("models", "x=1")
     assert res.returncode == 2 and "unrecognized arguments: x=1" in res.stderr
+
+
+@pytest.mark.parametrize("name", ["grpo_arithmetic.yaml", "reward_model.yaml", "ppo.yaml"])
+def test_shipped_recipes_load_and_validate(name):
+    """Every recipe in recipes/ reads and validates (no unknown keys, no out-of-range values)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / name
+    assert sorted(p.name for p in path.parent.glob("*.yaml")) == [
+        "grpo_arithmetic.yaml",
+        "ppo.yaml",
+        "reward_model.yaml",
+    ]
+    recipe = load_recipe(path)
+    assert recipe.algo == name.split(".")[0].replace("_arithmetic", "")
+    assert recipe.model.name == "smollm2-135m"
