@@ -154,13 +154,16 @@ def completion_logprobs(
     With ``share_prompts`` each distinct prompt runs through the model once: its keys / values are indexed out to
     the rows that share it (an exact rewrite of the full forward -- gradients flow back through the shared prompt
     once per row, summed), and the completions run on top. For a group of ``G`` completions of a ``P``-token
-    prompt this processes ``P + G*T`` tokens instead of ``G*(P + T)``. Falls back to one full forward when the
-    prompts are all distinct, or gradient checkpointing is on in train mode (it cannot use a cache).
+    prompt this processes ``P + G*T`` tokens instead of ``G*(P + T)``. With gradient checkpointing on in train mode
+    (no cache there) the completions are packed behind their prompt instead (:func:`packed_completion_logprobs`).
+    Falls back to one full forward when the prompts are all distinct, or under checkpointing with an attention
+    implementation that takes no 4-D mask (sdpa and eager do).
     """
     P = rollout.prompt_ids.shape[1]
     starts, inverse = prompt_groups(rollout.prompt_index)
     checkpointing = shared.module.training and shared.cfg.gradient_checkpointing
-    if not share_prompts or len(starts) == len(rollout) or P < 2:
+    takes_4d_mask = getattr(shared.base.config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+    if not share_prompts or len(starts) == len(rollout) or P < 2 or (checkpointing and not takes_4d_mask):
         return shared.token_logprobs(
             rollout.input_ids.to(shared.device), rollout.attention_mask.to(shared.device), P, temperature, with_entropy
         )
