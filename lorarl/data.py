@@ -42,6 +42,11 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def conversational(self) -> bool:
+        """True when prompts are chat messages (TRL then passes completions as messages too)."""
+        return bool(self.rows) and not isinstance(self.rows[0]["prompt"], str)
+
     def columns(self, indices: list[int]) -> dict[str, list]:
         """The extra columns (everything but ``prompt``) of rows ``indices``, as TRL passes them to rewards."""
         names: list[str] = []

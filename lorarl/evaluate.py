@@ -20,10 +20,11 @@ from lorarl.config import Recipe
 from lorarl.data import load_prompts
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
-from lorarl.rewards import RewardScorer, is_correct
+from lorarl.rewards import RewardScorer, is_correct, trl_completions
 from lorarl.rollout import generate_rollout
 
 POLICY = "policy"
+EVAL_ROLE = "eval_policy"  # the adapter under evaluation, loaded frozen beside the others
 
 
 def resolve_checkpoint(checkpoint: str) -> Path | None:
@@ -47,6 +48,17 @@ def resolve_checkpoint(checkpoint: str) -> Path | None:
     raise LorarlError(f"checkpoint {checkpoint}: no PEFT adapter (adapter_config.json) in it or in its policy/ folder")
 
 
+def load_eval_adapter(shared: SharedBase, adapter: Path | None) -> str:
+    """The role that runs ``adapter`` for an evaluation: ``"base"`` for None, else the frozen adapter loaded as
+    ``eval_policy`` (replacing an earlier one)."""
+    if adapter is None:
+        return "base"
+    if shared.has_adapter(EVAL_ROLE):
+        shared.peft.delete_adapter(EVAL_ROLE)
+    shared.add_adapter(EVAL_ROLE, init_from=adapter, trainable=False)
+    return EVAL_ROLE
+
+
 def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
     """Greedy decoding on ``n`` held-out prompts (default ``eval.n``); returns
     ``{accuracy, n, reward_mean, reward/<name>..., completion_len, truncated_frac, checkpoint, seconds}``.
@@ -61,17 +73,10 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     adapter = resolve_checkpoint(checkpoint)
     if shared is None:
         shared = SharedBase.load(recipe.model)
-    role = "base"
-    if adapter is not None:
-        name = "eval_policy"
-        if shared.has_adapter(name):
-            shared.peft.delete_adapter(name)
-        shared.add_adapter(name, init_from=adapter, trainable=False)
-        role = name
+    role = load_eval_adapter(shared, adapter)
     # generated held-out sets grow to n (their first rows do not change); files are read whole
     prompts = load_prompts(recipe.data, shared.tokenizer, "eval", size=max(n, recipe.data.eval_size))
     k = min(n, len(prompts))
-    conversational = not isinstance(prompts.rows[0]["prompt"], str)
     completions, completion_ids, lengths, truncated = [], [], [], []
     with torch.no_grad():
         for s in range(0, k, ecfg.batch_size):
@@ -93,7 +98,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     rows = list(range(k))
     columns = prompts.columns(rows)
     scorer = RewardScorer(recipe.rewards, timeout_s=recipe.train.reward_timeout_s or None)
-    given = [[{"role": "assistant", "content": c}] for c in completions] if conversational else completions
+    given = trl_completions(completions, prompts.conversational)
     scores = scorer([prompts.rows[i]["prompt"] for i in rows], given, columns, completion_ids)
     answers = columns.get("answer")
     valid = ~torch.isnan(scores.total)

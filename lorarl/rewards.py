@@ -358,6 +358,18 @@ class RewardScorer:
                 f"train.max_reward_failure_fraction={max_fraction:g}); last: {last}"
             )
 
+    def score_rollout(self, prompts, rollout) -> RewardScores:
+        """Score the rows of a :class:`~lorarl.rollout.Rollout` whose prompts are rows of ``prompts`` (a
+        :class:`~lorarl.data.PromptSet`, indexed by ``rollout.prompt_index``), with TRL's fields: the prompts, the
+        completions (messages for conversational prompts), the extra columns and the completion token ids."""
+        idx = rollout.prompt_index
+        return self(
+            [prompts.rows[i]["prompt"] for i in idx],
+            trl_completions(rollout.completions, prompts.conversational),
+            prompts.columns(idx),
+            rollout.completion_token_lists(),
+        )
+
     def __call__(
         self,
         prompts: list,
@@ -385,6 +397,13 @@ class RewardScorer:
         weighted = torch.where(valid, matrix * self.weights, torch.zeros(()))
         total = torch.where(valid.any(dim=1), weighted.sum(dim=1), torch.full((n,), float("nan")))
         return RewardScores(per_function=matrix, total=total, names=list(self.names), failures=failures)
+
+
+def trl_completions(completions: list[str], conversational: bool) -> list:
+    """Completions as TRL gives them to reward functions: strings, or ``[{"role": "assistant", ...}]``."""
+    if conversational:
+        return [[{"role": "assistant", "content": c}] for c in completions]
+    return list(completions)
 
 
 def _check_kwargs(fn: RewardFn, spec: RewardSpec, index: int) -> None:

@@ -138,13 +138,6 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> bool:
     return False
 
 
-def chat_completions(rollout: Rollout, conversational: bool) -> list:
-    """Completions as TRL gives them to reward functions: strings, or ``[{"role": "assistant", ...}]``."""
-    if conversational:
-        return [[{"role": "assistant", "content": c}] for c in rollout.completions]
-    return list(rollout.completions)
-
-
 def grpo_loss(
     rows: torch.Tensor,
     *,
@@ -230,7 +223,6 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             f"data: skipped {len(prompts.skipped)} bad rows of {prompts.source} (data.on_bad_row: skip)",
             file=sys.stderr,
         )
-    conversational = not isinstance(prompts.rows[0]["prompt"], str)
     scorer = RewardScorer(recipe.rewards, timeout_s=tcfg.reward_timeout_s or None)
     params = shared.trainable_parameters(POLICY)
     optimizer = torch.optim.AdamW(params, lr=tcfg.learning_rate, weight_decay=tcfg.weight_decay)
@@ -274,12 +266,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             t_gen = time.perf_counter()
 
             # 3. Rewards: each function once on the batch; failures isolated (NaN) and counted -----------------
-            scores = scorer(
-                [prompts.rows[i]["prompt"] for i in rollout.prompt_index],
-                chat_completions(rollout, conversational),
-                prompts.columns(rollout.prompt_index),
-                rollout.completion_token_lists(),
-            )
+            scores = scorer.score_rollout(prompts, rollout)
             for name, err in scores.failures.items():
                 tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
             scorer.check_failure_budget(tcfg.max_reward_failure_fraction, scores.failures)

@@ -211,12 +211,6 @@ def load_ptx_texts(source: str, tokenizer, base_dir: Path | None, max_tokens: in
     return out
 
 
-def chat_completions(rollout: Rollout, conversational: bool) -> list:
-    if conversational:
-        return [[{"role": "assistant", "content": c}] for c in rollout.completions]
-    return list(rollout.completions)
-
-
 @dataclass
 class PPOBatch:
     """What phases 1-3 of one step produced, on CPU (``N`` responses, ``T`` completion columns).
@@ -353,7 +347,6 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     uses_rules = cfg.reward_source in ("rules", "both")
     scorer = RewardScorer(recipe.rewards, timeout_s=tcfg.reward_timeout_s or None) if uses_rules else None
     prompts = load_prompts(recipe.data, shared.tokenizer, "train")
-    conversational = not isinstance(prompts.rows[0]["prompt"], str)
     ptx = load_ptx_texts(cfg.ptx_source, shared.tokenizer, base_dir) if cfg.ptx_coef > 0 else None
     need_ref = cfg.kl_coef > 0  # beta = 0 and fixed: the reference never runs
     ref_role = REFERENCE if need_ref else None  # "reference": the frozen init adapter, else adapters disabled
@@ -435,12 +428,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                 score = score + (cfg.reward_model_weight if uses_rules else 1.0) * rm_score
             rule_means: dict[str, float] = {}
             if uses_rules:
-                rs = scorer(
-                    [prompts.rows[i]["prompt"] for i in rollout.prompt_index],
-                    chat_completions(rollout, conversational),
-                    prompts.columns(rollout.prompt_index),
-                    rollout.completion_token_lists(),
-                )
+                rs = scorer.score_rollout(prompts, rollout)
                 for name, err in rs.failures.items():
                     tqdm.write(f"step {step}: reward {name} failed ({err}); counted as 0")
                 scorer.check_failure_budget(tcfg.max_reward_failure_fraction, rs.failures)
@@ -649,7 +637,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     Returns ``{reward_mean, rm_score, accuracy (where prompts have answers), n, completion_len, truncated_frac,
     checkpoint, seconds}``.
     """
-    from lorarl.evaluate import resolve_checkpoint
+    from lorarl.evaluate import load_eval_adapter, resolve_checkpoint
 
     t0 = time.perf_counter()
     cfg, ecfg = recipe.ppo, recipe.eval
@@ -671,15 +659,9 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
         if checkpoint != "base"
         else (Path(recipe.model.init_adapter) if recipe.model.init_adapter else None)
     )
-    role = "base"
-    if adapter is not None:
-        role = "eval_policy"
-        if shared.has_adapter(role):
-            shared.peft.delete_adapter(role)
-        shared.add_adapter(role, init_from=adapter, trainable=False)
+    role = load_eval_adapter(shared, adapter)
     prompts = load_prompts(recipe.data, shared.tokenizer, "eval", size=max(n, recipe.data.eval_size))
     k = min(n, len(prompts))
-    conversational = not isinstance(prompts.rows[0]["prompt"], str)
     scorer = RewardScorer(recipe.rewards, timeout_s=recipe.train.reward_timeout_s or None) if uses_rules else None
     totals, rm_scores, completions, lengths, truncated = [], [], [], [], []
     for s in range(0, k, ecfg.batch_size):
@@ -699,12 +681,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
             rm_scores.append(rm)
             total = total + (cfg.reward_model_weight if uses_rules else 1.0) * rm
         if uses_rules:
-            rs = scorer(
-                [prompts.rows[i]["prompt"] for i in idx],
-                chat_completions(r, conversational),
-                prompts.columns(idx),
-                r.completion_token_lists(),
-            )
+            rs = scorer.score_rollout(prompts, r)
             total = total + torch.nan_to_num(rs.total, nan=0.0)
         totals.append(total)
         completions += r.completions
