@@ -88,27 +88,32 @@ def grpo_setup(_grpo_setup):
     return sb, copy.deepcopy(r), adv.clone()
 
 
+def _setup_loss(sb, r, advantages, cfg, rows, use_reference):
+    """``grpo_loss`` of ``rows`` on the fixture's rollout: its completion mask as the loss mask, temperature 0.9,
+    5 new tokens, all of its rows and tokens in the normaliser."""
+    return grpo_loss(
+        rows,
+        shared=sb,
+        rollout=r,
+        advantages=advantages,
+        loss_mask=r.completion_mask,
+        cfg=cfg,
+        temperature=0.9,
+        total_sequences=len(r),
+        total_tokens=int(r.completion_mask.sum()),
+        max_len=5,
+        use_reference=use_reference,
+    )
+
+
 def _grads_after(sb, r, advantages, cfg, mbs, rows=None):
     params = sb.trainable_parameters("policy")
     rows = torch.arange(len(r)) if rows is None else rows
-    mask = r.completion_mask
     losses = []
     for p in params:
         p.grad = None
     for s in micro_batches(len(rows), mbs):
-        loss, _ = grpo_loss(
-            rows[s],
-            shared=sb,
-            rollout=r,
-            advantages=advantages,
-            loss_mask=mask,
-            cfg=cfg,
-            temperature=0.9,
-            total_sequences=len(r),
-            total_tokens=int(mask.sum()),
-            max_len=5,
-            use_reference=True,
-        )
+        loss, _ = _setup_loss(sb, r, advantages, cfg, rows[s], use_reference=True)
         loss.backward()
         losses.append(float(loss.detach()))
     grads = [p.grad.clone() for p in params]
@@ -144,19 +149,7 @@ def test_seq_mean_reduction_matches_hand_formula(grpo_setup):
     sb, r, adv = grpo_setup
     r.old_logprobs = None  # num_iterations == 1: the detached current log-probs are the old ones
     cfg = GRPOConfig(loss_reduction="seq_mean_token_mean", kl_coef=0.0)
-    loss, stats = grpo_loss(
-        torch.arange(8),
-        shared=sb,
-        rollout=r,
-        advantages=adv,
-        loss_mask=r.completion_mask,
-        cfg=cfg,
-        temperature=0.9,
-        total_sequences=8,
-        total_tokens=int(r.completion_mask.sum()),
-        max_len=5,
-        use_reference=False,
-    )
+    loss, stats = _setup_loss(sb, r, adv, cfg, torch.arange(8), use_reference=False)
     assert float(loss) == pytest.approx(-float(adv.mean()), abs=1e-6)  # each row's token mean of -A_i is -A_i
     assert stats["clip_frac_low"][0] == 0 and stats["clip_frac_high"][0] == 0
     assert "kl" not in stats
@@ -169,19 +162,7 @@ def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(grpo_setup):
 
     def grads(rows):
         params = sb.trainable_parameters("policy")
-        loss, _ = grpo_loss(
-            rows,
-            shared=sb,
-            rollout=r,
-            advantages=adv,
-            loss_mask=r.completion_mask,
-            cfg=cfg,
-            temperature=0.9,
-            total_sequences=8,
-            total_tokens=int(r.completion_mask.sum()),
-            max_len=5,
-            use_reference=False,
-        )
+        loss, _ = _setup_loss(sb, r, adv, cfg, rows, use_reference=False)
         loss.backward()
         out = [p.grad.clone() for p in params]
         for p in params:
@@ -208,19 +189,7 @@ def test_optimizer_step_equals_one_full_batch_step(grpo_setup):
         opt = torch.optim.SGD(params, lr=1.0)
 
         def loss_fn(rows):
-            return grpo_loss(
-                rows,
-                shared=sb,
-                rollout=r,
-                advantages=adv,
-                loss_mask=r.completion_mask,
-                cfg=cfg,
-                temperature=0.9,
-                total_sequences=8,
-                total_tokens=int(r.completion_mask.sum()),
-                max_len=5,
-                use_reference=True,
-            )
+            return _setup_loss(sb, r, adv, cfg, rows, use_reference=True)
 
         res = optimizer_step(
             params, opt, (torch.arange(8)[s] for s in micro_batches(8, mbs)), loss_fn, max_grad_norm=None
