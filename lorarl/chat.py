@@ -437,14 +437,11 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
+    """:func:`lorarl.rollout.pad_left` with a long mask, on ``device``."""
+    from lorarl.rollout import pad_left
+
+    ids, mask = pad_left(rows, pad_id)
+    return ids.to(device), mask.long().to(device)
 
 
 def _adapter_name(prefix: str, key: str) -> str:

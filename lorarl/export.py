@@ -1443,19 +1443,6 @@ def _prompt_rows(prompts, recipe: Recipe, n: int) -> list[dict]:
     return out
 
 
-def _left_pad(seqs: list[list[int]], pad_id: int):
-    import torch
-
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
 def _logits(model, ids, mask):
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits.float()
@@ -1503,6 +1490,7 @@ def measure_nf4_gap(
     from lorarl.data import encode_prompt, prompt_text
     from lorarl.model import SharedBase, pick_device, resolve_dtype
     from lorarl.rewards import extract_answer, is_correct
+    from lorarl.rollout import pad_left
 
     src = locate(run_dir, checkpoint)
     recipe = src.recipe or Recipe()
@@ -1534,7 +1522,8 @@ def measure_nf4_gap(
         completions = {"nf4": [], "merged": []}
         gen_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": tok.pad_token_id}
         for s in range(0, len(rows), batch_size):
-            ids, mask = _left_pad(prompt_ids[s : s + batch_size], tok.pad_token_id)
+            ids, mask = pad_left(prompt_ids[s : s + batch_size], tok.pad_token_id)
+            mask = mask.long()
             ids, mask = ids.to(device), mask.to(device)
             with torch.no_grad():
                 with shared.role(POLICY):
@@ -1545,7 +1534,8 @@ def measure_nf4_gap(
                 completions["nf4"] += c_nf4
                 completions["merged"] += c_merged
                 full = [p + c for p, c in zip(prompt_ids[s : s + batch_size], c_nf4)]
-                fids, fmask = _left_pad(full, tok.pad_token_id)
+                fids, fmask = pad_left(full, tok.pad_token_id)
+                fmask = fmask.long()
                 fids, fmask = fids.to(device), fmask.to(device)
                 with shared.role(POLICY):
                     a = _logits(shared.module, fids, fmask)
