@@ -62,7 +62,9 @@ class PromptSet:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, objects: bool = True) -> list:
+    """The rows of a JSON Lines file (blank lines skipped). A line that is not JSON -- or, with ``objects``, not a
+    JSON object -- raises :class:`DataError` naming the file, the line and the row."""
     rows = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -72,7 +74,7 @@ def _read_jsonl(path: Path) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
+            if objects and not isinstance(row, dict):
                 raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not a JSON object")
             rows.append(row)
     return rows
@@ -129,7 +131,7 @@ def read_rows(cfg: DataConfig, split: Split, size: int | None = None) -> tuple[l
         raise DataError(f"data source {source}: set data.eval_source to a held-out file to evaluate")
     if path.suffix != ".jsonl":
         raise DataError(f"data source {source}: expected `arithmetic`, a .jsonl file or a datasets folder")
-    return _read_jsonl(path), str(path)
+    return read_jsonl(path), str(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

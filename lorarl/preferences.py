@@ -29,7 +29,6 @@ Every problem raises :class:`~lorarl.errors.DataError` naming the source, the ro
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -39,6 +38,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lorarl.data import _read_datasets_folder, read_jsonl
 from lorarl.errors import DataError
 
 PKG_PREFIX = "pkg:"
@@ -109,29 +109,14 @@ def resolve_source(source: str, base_dir: str | Path | None = None) -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not valid JSON ({e.msg})") from None
-    return rows
-
-
 def read_rows(source: str, split: Split = "train", base_dir: str | Path | None = None) -> tuple[list[Any], str]:
     """The raw rows of a preference source (see the module docstring) and a description of where they came from."""
     path = resolve_source(source, base_dir)
     if path.is_dir():
-        from lorarl.data import _read_datasets_folder
-
         return _read_datasets_folder(path, split), str(path)
     if path.suffix != ".jsonl":
         raise DataError(f"preference source {source}: expected a .jsonl file, a datasets folder or pkg:NAME")
-    return _read_jsonl(path), str(path)
+    return read_jsonl(path, objects=False), str(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ the critic's gradient clipping: Adam is invariant to the loss scale).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import time
@@ -48,7 +47,7 @@ from lorarl.advantages import AdaptiveKLController, FixedKLController, gae, kl_s
 from lorarl.algos.grpo import batch_indices, peak_memory_gb, resolve_micro_batch, set_threads, start_run, step_seed
 from lorarl.algos.reward_model import REWARD, resolve_reward_adapter
 from lorarl.config import Recipe
-from lorarl.data import load_prompts
+from lorarl.data import load_prompts, read_jsonl
 from lorarl.errors import DataError, LorarlError
 from lorarl.losses import ppo_clip_loss, reduce_loss, value_loss
 from lorarl.metrics import MetricsLogger, plot_metrics
@@ -193,14 +192,8 @@ def load_ptx_texts(source: str, tokenizer, base_dir: Path | None, max_tokens: in
     if not path.is_file():
         raise DataError(f"ppo.ptx_source {source}: no such file")
     out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: row {i} is not valid JSON ({e.msg})") from None
-        text = row.get("text") if isinstance(row, dict) else None
+    for i, row in enumerate(read_jsonl(path)):
+        text = row.get("text")
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{path}: row {i}: column 'text' is missing or empty")
         ids = tokenizer(text, add_special_tokens=True)["input_ids"][:max_tokens]
