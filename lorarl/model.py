@@ -317,6 +317,10 @@ class SharedBase:
         inner = self.peft.get_base_model() if self.peft is not None else self.base
         return inner.get_decoder() if hasattr(inner, "get_decoder") else inner.model
 
+    def _lm_head(self) -> nn.Module:
+        """The output projection hidden -> vocabulary (its LoRA layers, if any, follow the active role)."""
+        return (self.peft.get_base_model() if self.peft is not None else self.base).get_output_embeddings()
+
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states [B, T, H] of the active role (no logits computed)."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -340,7 +344,7 @@ class SharedBase:
         if start < 1:
             raise ValueError("start must be >= 1 (the first token has no prediction)")
         hidden = self.hidden_states(input_ids, attention_mask)[:, start - 1 : -1]
-        head = (self.peft.get_base_model() if self.peft is not None else self.base).get_output_embeddings()
+        head = self._lm_head()
         return chunked_token_logprobs(
             hidden, head, input_ids[:, start:], temperature, self.cfg.logprob_chunk_size, with_entropy
         )

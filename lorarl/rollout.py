@@ -194,7 +194,7 @@ def completion_logprobs(
     )
     last_prompt = out.last_hidden_state[:, -1:][inverse.to(dev)]  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
-    head = (shared.peft.get_base_model() if shared.peft is not None else shared.base).get_output_embeddings()
+    head = shared._lm_head()
     return chunked_token_logprobs(
         hidden, head, rollout.completion_ids.to(dev), temperature, shared.cfg.logprob_chunk_size, with_entropy
     )
@@ -282,16 +282,16 @@ def packed_completion_logprobs(
     packs = pack_completions(rollout, shared.tokenizer.pad_token_id, pack_tokens)
     decoder = shared._decoder()
     dtype = decoder.get_input_embeddings().weight.dtype
-    bias = torch.zeros(packs.attention_mask.shape, dtype=dtype)
-    bias.masked_fill_(~packs.attention_mask, torch.finfo(dtype).min)  # additive: works for eager and sdpa
-    out = decoder(
+    allowed = packs.attention_mask.to(dev)  # moved as bool: a quarter of fp32's bytes
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+    out = decoder(  # an additive 4-D mask: eager and sdpa both take it
         input_ids=packs.input_ids.to(dev),
-        attention_mask=bias.to(dev),
+        attention_mask=bias,
         position_ids=packs.position_ids.to(dev),
         use_cache=False,
     )
     hidden = out.last_hidden_state[packs.pack.to(dev), packs.column.to(dev)]  # [B, T, H]
-    head = (shared.peft.get_base_model() if shared.peft is not None else shared.base).get_output_embeddings()
+    head = shared._lm_head()
     mask = rollout.completion_mask.to(dev)
     lp, ent = chunked_token_logprobs(
         hidden, head, rollout.completion_ids.to(dev), temperature, shared.cfg.logprob_chunk_size, with_entropy
