@@ -192,7 +192,7 @@ def _worker_grpo_lorarl(model: str, steps: int, out: Path) -> dict:
     import torch
 
     import lorarl.algos.grpo as grpo
-    from lorarl.metrics import read_metrics
+    from lorarl.runs import read_metrics
 
     marks: list[float] = []  # CPU seconds when each step's metrics are logged (log_every = 1: the end of a step)
 
@@ -252,7 +252,7 @@ def _worker_grpo_trl(model: str, steps: int, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from lorarl.model import load_tokenizer
-    from lorarl.models import resolve_model
+    from lorarl.model.registry import resolve_model
     from lorarl.rewards import numeric_match
 
     s = GRPO_SETTINGS
@@ -354,10 +354,10 @@ def ppo_step(
     (PPO-clip, entropy computed) and one critic optimizer step (clipped value loss) over micro-batches."""
     import torch
 
-    from lorarl.advantages import gae, kl_shaped_rewards
     from lorarl.config import GenerationConfig
-    from lorarl.losses import ppo_clip_loss, reduce_loss, value_loss
-    from lorarl.ops import masked_whiten
+    from lorarl.core.advantages import gae, kl_shaped_rewards
+    from lorarl.core.losses import ppo_clip_loss, reduce_loss, value_loss
+    from lorarl.core.ops import masked_whiten
     from lorarl.rollout import generate_rollout
     from lorarl.update import micro_batches, optimizer_step
 

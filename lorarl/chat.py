@@ -91,7 +91,7 @@ class ScorerEntry:
 
 def _normalize_model_name(name: str) -> str:
     """Compare model names across recipes: embedded names -> their converted folder, paths -> resolved paths."""
-    from lorarl.models import EMBEDDED, converted_path
+    from lorarl.model.registry import EMBEDDED, converted_path
 
     if name in EMBEDDED:
         return str(converted_path(name).resolve())
@@ -131,7 +131,7 @@ def _is_export(folder: Path) -> bool:
 def default_base_model(runs_dir: str | os.PathLike) -> str:
     """The base to load when none is given: the embedded default, unless no run under ``runs_dir`` uses it and
     the runs were trained on another model that is available here (the most common such one)."""
-    from lorarl.models import DEFAULT_MODEL, EMBEDDED
+    from lorarl.model.registry import DEFAULT_MODEL, EMBEDDED
 
     root = Path(runs_dir)
     names = [_recipe_model(_read_recipe(p)) for p in sorted(root.iterdir()) if p.is_dir()] if root.is_dir() else []
@@ -438,7 +438,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`lorarl.rollout.pad_left` with a long mask, on ``device``."""
-    from lorarl.rollout import pad_left
+    from lorarl.model.tokens import pad_left
 
     ids, mask = pad_left(rows, pad_id)
     return ids.to(device), mask.long().to(device)
@@ -651,7 +651,7 @@ class ChatEngine:
 
     def _score_reward_model(self, scorer: ScorerEntry, conversations, answers) -> list[RewardResult]:
         from lorarl.data import encode_prompt, prompt_text
-        from lorarl.preferences import encode_response
+        from lorarl.data.preferences import encode_response
 
         with self.lock, torch.no_grad():
             folder = Path(scorer.folder).resolve()
@@ -660,7 +660,7 @@ class ChatEngine:
             if not self.shared.has_adapter(name):
                 self.shared.add_adapter(name, init_from=folder, trainable=False, head=True)
             tok = self.shared.tokenizer
-            # tokenized exactly as the reward model was trained (lorarl.preferences.encode_pair): the prompt as the
+            # tokenized exactly as the reward model was trained (lorarl.data.preferences.encode_pair): the prompt as the
             # rollout renders it (the run's system prompt when the chat has none), the answer's tokens, one EOS
             rows = []
             for conv, a in zip(conversations, answers):

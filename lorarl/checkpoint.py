@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,9 +25,7 @@ import torch
 import yaml
 
 from lorarl.errors import LorarlError
-
-STEP_RE = re.compile(r"^step-(\d{6,})$")
-MARKER = "COMPLETE"
+from lorarl.runs import CHECKPOINTS, MARKER, latest_checkpoint, list_checkpoints, step_name
 
 
 def rng_state() -> dict:
@@ -98,28 +95,6 @@ def _fault_point(step: int, where: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (half-written temp folders and folders without COMPLETE are ignored)."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and (p / MARKER).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    cps = list_checkpoints(run_dir)
-    return cps[-1] if cps else None
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -147,10 +122,10 @@ def save_checkpoint(
     """Write ``DIR/checkpoints/step-NNNNNN`` atomically and prune to the newest ``keep_last``; return its path."""
     from lorarl.config import recipe_to_dict
 
-    root = checkpoint_dir(run_dir)
+    root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root))
+    final = root / step_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.tmp-", dir=root))
     try:
         _fault_point(step, "start")
         for role in roles:
@@ -192,7 +167,6 @@ def save_checkpoint(
 
 def load_checkpoint(path: str | os.PathLike, shared, optimizers: dict, schedulers: dict) -> dict:
     """Restore adapters and heads in place, optimizer / scheduler / RNG states; return the loop's ``state``."""
-    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     from lorarl.model import HEAD_FILE
@@ -203,10 +177,10 @@ def load_checkpoint(path: str | os.PathLike, shared, optimizers: dict, scheduler
     state = json.loads((path / "state.json").read_text())
     for role in state["roles"]:
         weights = load_file(str(path / role / "adapter_model.safetensors"), device=str(shared.device))
-        result = set_peft_model_state_dict(shared.peft, weights, adapter_name=role)
-        missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-        if missing:
-            raise LorarlError(f"{path / role}: weights do not match adapter {role!r} ({missing[0]} ...)")
+        try:
+            shared.load_adapter_weights(role, weights)
+        except LorarlError as e:
+            raise LorarlError(f"{path / role}: {e}") from None
         if role in shared.heads and (path / role / HEAD_FILE).is_file():
             shared.load_head(role, path / role / HEAD_FILE)
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")

@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
@@ -28,7 +27,7 @@ def _print_json_last(result: dict) -> None:
 
 
 def cmd_models(args) -> int:
-    from lorarl.models import convert_embedded, list_models
+    from lorarl.model.registry import convert_embedded, list_models
 
     if args.convert:
         convert_embedded(args.convert, force=args.force)
@@ -43,10 +42,6 @@ def cmd_models(args) -> int:
         print(f"    {r['path']}")
     print("Also usable as model.name: any local transformers folder, or a hub name where the network allows.")
     return 0
-
-
-def _algo_module(algo: str):
-    return importlib.import_module(f"lorarl.algos.{algo}")
 
 
 def cmd_train(args) -> int:
@@ -67,20 +62,24 @@ def cmd_train(args) -> int:
         import shutil
 
         shutil.rmtree(out)
-    result = _algo_module(recipe.algo).train(recipe, str(out), resume=args.resume, max_steps=args.max_steps)
+    from lorarl.algos.loop import train
+
+    result = train(recipe, str(out), resume=args.resume, max_steps=args.max_steps)
     if isinstance(result, dict):
         _print_json_last(result)
     return 0
 
 
 def cmd_eval(args) -> int:
+    from lorarl.algos import algorithm_class
+    from lorarl.algos.loop import set_threads
     from lorarl.config import load_recipe
 
     recipe = load_recipe(args.recipe, list(args.overrides))
-    module = _algo_module(recipe.algo)
-    evaluate = getattr(module, "evaluate", None)
-    if evaluate is None:
+    evaluate = getattr(algorithm_class(recipe.algo), "evaluate", None)
+    if evaluate is None:  # every policy-training algorithm: greedy held-out evaluation
         from lorarl.evaluate import evaluate
+    set_threads()
     result = evaluate(recipe, args.checkpoint, n=args.n)
     _print_json_last(result)
     return 0

@@ -1,10 +1,12 @@
-"""Greedy evaluation on the recipe's held-out prompts.
+"""Greedy evaluation of a policy on the recipe's held-out prompts: one path for every algorithm that trains a policy
+(GRPO, PPO, SFT) and for evaluation during training.
 
-``evaluate(recipe, checkpoint, n)`` decodes greedily with the base (``checkpoint="base"``: adapters off) or a
-trained policy (a run directory -- its ``policy/`` -- or a PEFT adapter folder, e.g. a step checkpoint's
-``policy/``), scores the completions with the recipe's reward functions, and returns accuracy (final answer ==
-the ``answer`` column), the weighted reward mean and each reward's mean. The base is evaluated under the same prompt
-format (chat template, system prompt, template) as the policy, so the two numbers compare like with like.
+``evaluate(recipe, checkpoint, n)`` decodes greedily with the base (``checkpoint="base"``: adapters off, or the
+``model.init_adapter`` the run started from) or a trained policy (a run directory -- its ``policy/`` -- or a PEFT
+adapter folder, e.g. a step checkpoint's ``policy/``), scores the completions like training scores them (the rule
+rewards and/or the reward adapter), and measures accuracy with the task's own verifier. The base is evaluated
+under the same prompt format (chat template, system prompt, template) as the policy, so the numbers compare like
+with like.
 """
 
 from __future__ import annotations
@@ -20,32 +22,40 @@ from lorarl.config import Recipe
 from lorarl.data import load_prompts
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
-from lorarl.rewards import RewardScorer, is_correct, trl_completions
+from lorarl.rewards.source import RewardSource
 from lorarl.rollout import generate_rollout
+from lorarl.runs import find_adapter
+from lorarl.tasks import accuracy
 
 POLICY = "policy"
 EVAL_ROLE = "eval_policy"  # the adapter under evaluation, loaded frozen beside the others
 
 
-def resolve_checkpoint(checkpoint: str) -> Path | None:
-    """``"base"`` -> None; a run dir -> its ``policy/`` (else its newest step checkpoint's ``policy/``); an adapter
-    folder -> itself. Raises LorarlError when nothing usable is there."""
-    if checkpoint == "base":
-        return None
-    path = Path(checkpoint).expanduser()
-    if not path.exists():
-        raise LorarlError(
-            f"checkpoint {checkpoint}: no such folder (give a run directory, an adapter folder or `base`)"
+def reward_source(recipe: Recipe, shared: SharedBase) -> RewardSource:
+    """The recipe's reward source (rule rewards, the reward adapter, or both), as its training step uses it."""
+    if recipe.algo == "ppo":
+        cfg = recipe.ppo
+        return RewardSource(
+            shared,
+            cfg.reward_source,
+            recipe.rewards,
+            adapter=cfg.reward_adapter,
+            model_weight=cfg.reward_model_weight,
+            timeout_s=recipe.train.reward_timeout_s or None,
+            recipe_path=recipe.source_path,
+            batch_size=recipe.eval.batch_size,
+            key="ppo.reward_source",
+        adapter_key="ppo.reward_adapter",
         )
-    candidates = [path, path / POLICY]
-    if (path / "checkpoints").is_dir():
-        steps = sorted(p for p in (path / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())
-        if steps:
-            candidates.append(steps[-1] / POLICY)
-    for c in candidates:
-        if (c / "adapter_config.json").is_file():
-            return c
-    raise LorarlError(f"checkpoint {checkpoint}: no PEFT adapter (adapter_config.json) in it or in its policy/ folder")
+    return RewardSource(shared, "rules", recipe.rewards, timeout_s=recipe.train.reward_timeout_s or None)
+
+
+def checkpoint_adapter(recipe: Recipe, checkpoint: str) -> Path | None:
+    """``"base"`` -> the run's starting point (``model.init_adapter``, else None: adapters off); anything else -> the
+    policy adapter found there (:func:`lorarl.runs.find_adapter`)."""
+    if checkpoint == "base":
+        return Path(recipe.model.init_adapter) if recipe.model.init_adapter else None
+    return find_adapter(checkpoint, POLICY)
 
 
 def load_eval_adapter(shared: SharedBase, adapter: Path | None) -> str:
@@ -53,66 +63,87 @@ def load_eval_adapter(shared: SharedBase, adapter: Path | None) -> str:
     ``eval_policy`` (replacing an earlier one)."""
     if adapter is None:
         return "base"
-    if shared.has_adapter(EVAL_ROLE):
-        shared.peft.delete_adapter(EVAL_ROLE)
+    shared.remove_adapter(EVAL_ROLE)
     shared.add_adapter(EVAL_ROLE, init_from=adapter, trainable=False)
     return EVAL_ROLE
 
 
-def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
-    """Greedy decoding on ``n`` held-out prompts (default ``eval.n``); returns
-    ``{accuracy, n, reward_mean, reward/<name>..., completion_len, truncated_frac, checkpoint, seconds}``.
-
-    ``shared`` reuses an already loaded base (its ``policy`` adapter, if any, is replaced for the evaluation).
-    """
-    t0 = time.perf_counter()
+@torch.no_grad()
+def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source: RewardSource | None = None) -> dict:
+    """Greedy completions of role ``role`` on the first ``n`` held-out prompts, scored and checked ->
+    ``{n, accuracy, reward_mean, [rm_score], reward/<name>..., completion_len, truncated_frac, reward_failures,
+    example}``."""
     ecfg = recipe.eval
-    n = n or ecfg.n
-    if n < 1:
-        raise LorarlError(f"eval: n must be >= 1, got {n}")
-    adapter = resolve_checkpoint(checkpoint)
-    if shared is None:
-        shared = SharedBase.load(recipe.model)
-    role = load_eval_adapter(shared, adapter)
+    source = source or reward_source(recipe, shared)
     # generated held-out sets grow to n (their first rows do not change); files are read whole
     prompts = load_prompts(recipe.data, shared.tokenizer, "eval", size=max(n, recipe.data.eval_size))
     k = min(n, len(prompts))
-    completions, completion_ids, lengths, truncated = [], [], [], []
-    with torch.no_grad():
-        for s in range(0, k, ecfg.batch_size):
-            idx = list(range(s, min(s + ecfg.batch_size, k)))
-            r = generate_rollout(
-                shared,
-                [prompts.token_ids[i] for i in idx],
-                recipe.generation,
-                group_size=1,
-                role=role,
-                greedy=True,
-                max_new_tokens=ecfg.max_new_tokens,
-                prompt_index=idx,
-            )
-            completions += r.completions
-            completion_ids += r.completion_token_lists()
-            lengths += r.lengths.tolist()
-            truncated += r.truncated.tolist()
-    rows = list(range(k))
-    columns = prompts.columns(rows)
-    scorer = RewardScorer(recipe.rewards, timeout_s=recipe.train.reward_timeout_s or None)
-    given = trl_completions(completions, prompts.conversational)
-    scores = scorer([prompts.rows[i]["prompt"] for i in rows], given, columns, completion_ids)
-    answers = columns.get("answer")
-    valid = ~torch.isnan(scores.total)
+    completions, totals, rms, lengths, truncated, rule_scores = [], [], [], [], [], []
+    failures: dict[str, str] = {}
+    for s in range(0, k, ecfg.batch_size):
+        idx = list(range(s, min(s + ecfg.batch_size, k)))
+        r = generate_rollout(
+            shared,
+            [prompts.token_ids[i] for i in idx],
+            recipe.generation,
+            role=role,
+            greedy=True,
+            max_new_tokens=ecfg.max_new_tokens,
+            prompt_index=idx,
+        )
+        scored = source.score_rollout(prompts, r)
+        totals.append(scored.total)
+        if scored.reward_model is not None:
+            rms.append(scored.reward_model)
+        if scored.rules is not None:
+            rule_scores.append(scored.rules.per_function)
+            failures.update(scored.rules.failures)
+        completions += r.completions
+        lengths += r.lengths.tolist()
+        truncated += r.truncated.tolist()
+    total = torch.cat(totals)
+    valid = ~torch.isnan(total)
     out = {
-        "checkpoint": "base" if adapter is None else str(adapter),
         "n": k,
-        "accuracy": (sum(is_correct(c, a) for c, a in zip(completions, answers)) / k) if answers else None,
-        "reward_mean": float(scores.total[valid].mean()) if valid.any() else None,
-        **{f"reward/{name}": (v if math.isfinite(v) else None) for name, v in scores.means().items()},
-        "completion_len": sum(lengths) / k,
-        "truncated_frac": sum(truncated) / k,
-        "reward_failures": {name: err for name, err in scores.failures.items()} or None,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "accuracy": accuracy(recipe, completions, prompts.columns(list(range(k)))),
+        "reward_mean": float(total[valid].mean()) if valid.any() else None,
     }
+    if rms:
+        out["rm_score"] = float(torch.cat(rms).mean())
+    if rule_scores:
+        matrix = torch.cat(rule_scores)  # [k, K]
+        for j, name in enumerate(source.rules.names):
+            col = matrix[:, j]
+            ok = ~torch.isnan(col)
+            v = float(col[ok].mean()) if ok.any() else float("nan")
+            out[f"reward/{name}"] = v if math.isfinite(v) else None
+    out.update(
+        completion_len=sum(lengths) / k,
+        truncated_frac=sum(truncated) / k,
+        reward_failures=failures or None,
+        example=completions[0] if completions else None,
+    )
+    return out
+
+
+def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
+    """Greedy decoding on ``n`` held-out prompts (default ``eval.n``) with ``checkpoint`` (``base``, a run directory
+    or an adapter folder); returns :func:`evaluate_role`'s figures plus ``checkpoint`` and ``seconds``. The result
+    is also written to ``RUN/eval.json`` when ``checkpoint`` is a run's final policy.
+
+    ``shared`` reuses an already loaded base (the adapter under evaluation is loaded beside the others).
+    """
+    t0 = time.perf_counter()
+    n = n or recipe.eval.n
+    if n < 1:
+        raise LorarlError(f"eval: n must be >= 1, got {n}")
+    adapter = checkpoint_adapter(recipe, checkpoint)
+    if shared is None:
+        shared = SharedBase.load(recipe.model)
+    role = load_eval_adapter(shared, adapter)
+    out = {"checkpoint": "base" if adapter is None else str(adapter)}
+    out.update(evaluate_role(shared, recipe, role, n))
+    out["seconds"] = round(time.perf_counter() - t0, 1)
     if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
         (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")
     return out

@@ -215,7 +215,7 @@ def locate(run: str | os.PathLike, checkpoint: str | None = None) -> RunSource:
 def _base_path(recipe: Recipe | None, adapter: Path) -> str:
     """What ``from_pretrained`` takes for the base: the recipe's model resolved (the embedded default is converted
     into its cache folder once), else the adapter's ``base_model_name_or_path``."""
-    from lorarl.models import resolve_model
+    from lorarl.model.registry import resolve_model
 
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     base = cfg.get("base_model_name_or_path")
@@ -1489,8 +1489,8 @@ def measure_nf4_gap(
 
     from lorarl.data import encode_prompt, prompt_text
     from lorarl.model import SharedBase, pick_device, resolve_dtype
+    from lorarl.model.tokens import pad_left
     from lorarl.rewards import extract_answer, is_correct
-    from lorarl.rollout import pad_left
 
     src = locate(run_dir, checkpoint)
     recipe = src.recipe or Recipe()

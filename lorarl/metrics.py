@@ -1,8 +1,6 @@
 """Per-step metrics: a JSON line per step in ``DIR/metrics.jsonl``, TensorBoard scalars in ``DIR/tb/``, and a PNG
 plot of the run at the end.
 
-Values are accumulated as (sum, count) and divided once (:class:`MeanAccumulator`), so a mean over micro-batches or
-groups of different sizes is the mean over all items, not a mean of means.
 """
 
 from __future__ import annotations
@@ -12,27 +10,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lorarl.runs import read_metrics
+
 PLOT_PANELS = (  # (title, metric keys, what an empty panel means)
     ("reward", ("reward_mean",), "not logged"),
     ("accuracy", ("accuracy",), "not logged (the data has no `answer` column)"),
     ("KL to reference", ("kl",), "not logged: the reference only runs when kl_coef > 0"),
     ("completion length (tokens)", ("completion_len",), "not logged"),
 )
-
-
-class MeanAccumulator:
-    """Named running sums and counts: ``add("kl", 3.0, 2)`` twice and ``means()["kl"]`` is ``6 / 4 = 1.5``."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
-
-    def add(self, name: str, total: float, count: float = 1.0) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(total)
-        self.counts[name] = self.counts.get(name, 0.0) + float(count)
-
-    def means(self) -> dict[str, float]:
-        return {k: (self.sums[k] / self.counts[k] if self.counts[k] else float("nan")) for k in self.sums}
 
 
 def _clean(value: Any) -> Any:
@@ -95,20 +80,6 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl (a run dir or the file itself); a torn last line is ignored."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None, panels: tuple[tuple, ...] | None = None) -> Path:

@@ -1,7 +1,7 @@
 """One optimizer step over micro-batches, with gradient accumulation. Knows nothing of GRPO or PPO.
 
 The caller passes a loss function that returns each micro-batch's *contribution* to the full-batch loss (e.g.
-:func:`lorarl.losses.reduce_loss` with the whole batch's totals), so the accumulated gradient equals the gradient
+:func:`lorarl.core.losses.reduce_loss` with the whole batch's totals), so the accumulated gradient equals the gradient
 of the full-batch loss without further scaling. A NaN or inf loss or gradient skips the step: gradients are
 dropped, the weights and the optimizer state are not touched, and the result says so.
 """
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lorarl.core.stats import MeanAccumulator
 from lorarl.errors import LorarlError
 
 # A loss function: micro-batch -> (loss contribution, {stat name: (sum, count)}).
@@ -51,28 +52,6 @@ def micro_batches(n: int, size: int) -> Iterator[slice]:
         yield slice(s, min(s + size, n))
 
 
-def make_scheduler(
-    optimizer: torch.optim.Optimizer, kind: str, warmup_steps: int, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """LR multiplier: linear warm-up over ``warmup_steps``, then ``constant``, ``linear`` decay to 0 or ``cosine``
-    decay to 0 at ``total_steps``."""
-    total = max(total_steps, 1)
-
-    def factor(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if kind == "constant":
-            return 1.0
-        progress = min(max(step - warmup_steps, 0) / max(total - warmup_steps, 1), 1.0)
-        if kind == "linear":
-            return 1.0 - progress
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"unknown lr scheduler {kind!r}")
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def _grads_finite(params: list[Tensor]) -> bool:
     return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
 
@@ -95,8 +74,7 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     lr = float(optimizer.param_groups[0]["lr"])
     total_loss = 0.0
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
+    acc = MeanAccumulator()
     n_micro = 0
     finite = True
     for batch in batches:
@@ -105,14 +83,13 @@ def optimizer_step(
         value = float(loss.detach())
         total_loss += value
         for k, (s, c) in stats.items():
-            sums[k] = sums.get(k, 0.0) + float(s)
-            counts[k] = counts.get(k, 0.0) + float(c)
+            acc.add(k, s, c)
         if not math.isfinite(value):
             finite = False
             break
         if loss.requires_grad:
             loss.backward()
-    stats_out = {k: (sums[k] / counts[k] if counts[k] else float("nan")) for k in sums}
+    stats_out = acc.means()
     grad_norm = float("nan")
     if finite:
         grads = [p.grad for p in params if p.grad is not None]
@@ -182,21 +159,34 @@ def optimizer_step_halving(
             size //= 2
 
 
-def count_nonfinite(result: StepResult, state: dict, step: int, max_in_row: int, who: str = "") -> bool:
-    """Count a skipped (non-finite) step in ``state["skipped_updates"]`` / ``state["nonfinite_in_row"]``; raise
-    LorarlError after ``max_in_row`` in a row (``train.max_nonfinite_in_row``). Returns whether it was skipped."""
-    if not result.skipped:
-        state["nonfinite_in_row"] = 0
-        return False
-    state["skipped_updates"] += 1
-    state["nonfinite_in_row"] += 1
-    label = f"{who} " if who else ""
-    from tqdm.auto import tqdm
+@dataclass
+class NonFiniteGuard:
+    """Counts optimizer steps skipped for a NaN / inf loss or gradient and stops the run after ``max_in_row`` in a
+    row (``train.max_nonfinite_in_row``). Its counters are part of a checkpoint (:meth:`state_dict`)."""
 
-    tqdm.write(f"step {step}: non-finite {label}loss or gradient, update skipped")
-    if state["nonfinite_in_row"] >= max_in_row:
-        raise LorarlError(
-            f"step {step}: {state['nonfinite_in_row']} non-finite losses or gradients in a row "
-            f"(train.max_nonfinite_in_row={max_in_row}); lower train.learning_rate or check the reward functions"
-        )
-    return True
+    max_in_row: int = 3
+    skipped: int = 0
+    in_row: int = 0
+
+    def check(self, result: StepResult, step: int, who: str = "") -> bool:
+        """Count ``result`` if it was skipped; raise LorarlError at ``max_in_row`` in a row. Returns skipped."""
+        if not result.skipped:
+            self.in_row = 0
+            return False
+        self.skipped += 1
+        self.in_row += 1
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"step {step}: non-finite {who + ' ' if who else ''}loss or gradient, update skipped")
+        if self.in_row >= self.max_in_row:
+            raise LorarlError(
+                f"step {step}: {self.in_row} non-finite losses or gradients in a row "
+                f"(train.max_nonfinite_in_row={self.max_in_row}); lower train.learning_rate or check the reward functions"
+            )
+        return True
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "in_row": self.in_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped, self.in_row = int(state["skipped"]), int(state["in_row"])

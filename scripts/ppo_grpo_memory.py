@@ -63,7 +63,7 @@ def make_random_model(src: str, dest: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lorarl.model import load_tokenizer
-    from lorarl.models import resolve_model
+    from lorarl.model.registry import resolve_model
 
     path = resolve_model(src)
     config = AutoConfig.from_pretrained(path)

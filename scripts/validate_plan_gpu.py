@@ -6,7 +6,7 @@ worker process builds a **random-init** model with the published shape (``lorarl
 downloaded), in bf16 on the GPU, replaces every decoder projection by a bitsandbytes NF4 ``Linear4bit`` (double
 quantization, bf16 compute: what ``lorarl.model.load_base`` loads), wraps it in lorarl's ``SharedBase`` and runs
 the loops' own building blocks (``lorarl.rollout.generate_rollout``, ``lorarl.update.optimizer_step``,
-``lorarl.losses``) exactly as ``lorarl/algos/grpo.py`` (and ``ppo.py``) call them:
+``lorarl.core.losses``) exactly as ``lorarl/algos/grpo.py`` (and ``ppo.py``) call them:
 
 * GRPO: generation of ``group_size x prompts`` completions; reference log-probs (``kl_coef > 0``); one optimizer
   step over micro-batches (PPO-clip + k3 KL, entropy computed, backward, AdamW).
@@ -248,10 +248,10 @@ def init_adam_states(opt, params) -> None:
 def worker(args) -> dict:
     import torch
 
-    from lorarl.advantages import group_advantages
+    from lorarl.core.advantages import group_advantages
     from lorarl.bench import seq_logprobs
     from lorarl.config import GenerationConfig, LoraSettings, ModelConfig
-    from lorarl.losses import kl_k3, ppo_clip_loss, reduce_loss, value_loss
+    from lorarl.core.losses import kl_k3, ppo_clip_loss, reduce_loss, value_loss
     from lorarl.model import SharedBase
     from lorarl.plan import PlanSettings, estimate_memory, model_shape
     from lorarl.rollout import completion_logprobs, generate_rollout

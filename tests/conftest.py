@@ -23,7 +23,7 @@ def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int =
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lorarl.model import load_tokenizer
-    from lorarl.models import DEFAULT_MODEL, convert_embedded
+    from lorarl.model.registry import DEFAULT_MODEL, convert_embedded
 
     tok = load_tokenizer(str(convert_embedded(DEFAULT_MODEL)))
     cfg = LlamaConfig(
@@ -49,7 +49,7 @@ def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int =
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real SmolLM2-135M-Instruct converted folder (converted once)."""
-    from lorarl.models import DEFAULT_MODEL, convert_embedded
+    from lorarl.model.registry import DEFAULT_MODEL, convert_embedded
 
     return convert_embedded(DEFAULT_MODEL)
 

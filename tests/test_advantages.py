@@ -1,11 +1,11 @@
-"""Tests for lorarl.advantages against hand-computed values and plain reference loops."""
+"""Tests for lorarl.core.advantages against hand-computed values and plain reference loops."""
 
 import math
 
 import pytest
 import torch
 
-from lorarl.advantages import (
+from lorarl.core.advantages import (
     AdaptiveKLController,
     FixedKLController,
     gae,

@@ -236,7 +236,7 @@ def test_votes_are_saved_as_trl_preference_pairs(engine, tmp_path):
     (tie,) = [json.loads(line) for line in (tmp_path / "preferences_ties.jsonl").read_text().splitlines()]
     assert tie["tie"] is True and tie["chosen"][0]["content"] == "4"
 
-    from lorarl.preferences import load_preferences
+    from lorarl.data.preferences import load_preferences
 
     pairs = load_preferences(str(prefs), engine.shared.tokenizer)  # ready for recipes/reward_model.yaml
     assert len(pairs) == 2

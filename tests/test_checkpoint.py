@@ -7,9 +7,10 @@ import random
 import numpy as np
 import torch
 
-from lorarl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from lorarl.checkpoint import load_checkpoint, save_checkpoint
 from lorarl.config import LoraSettings, ModelConfig, Recipe
 from lorarl.model import SharedBase
+from lorarl.runs import latest_checkpoint, list_checkpoints
 
 
 def _setup(model_dir):

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from lorarl.algos import grpo
-from lorarl.algos.grpo import batch_indices, setup_roles, train
+from lorarl.algos.base import batch_indices, micro_batch_rows
+from lorarl.algos.grpo import setup_roles
+from lorarl.algos.loop import train
 from lorarl.config import ModelConfig, recipe_from_dict
 from lorarl.errors import LorarlError
-from lorarl.evaluate import evaluate, resolve_checkpoint
-from lorarl.metrics import read_metrics
+from lorarl.evaluate import checkpoint_adapter, evaluate
 from lorarl.model import SharedBase
+from lorarl.runs import find_adapter, read_metrics
 
 # A reward the tiny random model can learn quickly: the fraction of completion tokens in a set S of 10% of the
 # vocabulary, chosen along one random direction u of the (tied) embedding space -- moving the last hidden state
@@ -260,16 +262,28 @@ def test_mask_truncated_leaves_nothing_to_train_when_all_rows_are_truncated(peak
     assert all(r["truncated_frac"] == 1.0 and r["trained_rows"] == 0 for r in rows)
 
 
-def test_resolve_checkpoint(tmp_path):
-    assert resolve_checkpoint("base") is None
+def test_finding_the_policy_adapter_of_a_checkpoint_argument(tmp_path, peaky_model_dir, reward_file):
+    recipe = tiny_recipe(peaky_model_dir, reward_file)
+    assert checkpoint_adapter(recipe, "base") is None  # adapters off
     with pytest.raises(LorarlError, match="no such folder"):
-        resolve_checkpoint(str(tmp_path / "nope"))
+        find_adapter(str(tmp_path / "nope"))
     with pytest.raises(LorarlError, match="no PEFT adapter"):
-        resolve_checkpoint(str(tmp_path))
+        find_adapter(str(tmp_path))
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "adapter_config.json").write_text("{}")
-    assert resolve_checkpoint(str(tmp_path)) == tmp_path / "policy"
-    assert resolve_checkpoint(str(tmp_path / "policy")) == tmp_path / "policy"
+    assert find_adapter(str(tmp_path)) == tmp_path / "policy"
+    assert find_adapter(str(tmp_path / "policy")) == tmp_path / "policy"
+    # a run that stopped before its final adapter: the newest complete checkpoint's
+    (tmp_path / "policy" / "adapter_config.json").unlink()
+    for step in (2, 4):
+        cp = tmp_path / "checkpoints" / f"step-{step:06d}"
+        (cp / "policy").mkdir(parents=True)
+        (cp / "policy" / "adapter_config.json").write_text("{}")
+        (cp / "COMPLETE").write_text(str(step))
+    (tmp_path / "checkpoints" / "step-000006" / "policy").mkdir(parents=True)  # half-written: no COMPLETE
+    assert find_adapter(str(tmp_path)) == tmp_path / "checkpoints" / "step-000004" / "policy"
+    # the recipe's start adapter is the `base` of a run that began from one
+    assert checkpoint_adapter(tiny_recipe(peaky_model_dir, reward_file, model={"init_adapter": "x"}), "base").name == "x"
 
 
 @pytest.mark.slow
@@ -286,9 +300,7 @@ def test_real_model_base_eval_on_the_quickstart_recipe():
 
 
 def test_auto_micro_batch_takes_the_planners_pick_capped_by_rows():
-    from lorarl.algos.grpo import resolve_micro_batch
-
-    assert resolve_micro_batch("auto", 100, 24) == 24
-    assert resolve_micro_batch("auto", 5, 24) == 5
-    assert resolve_micro_batch("auto", 100, None) == 16
-    assert resolve_micro_batch(4, 100, 24) == 4
+    assert micro_batch_rows("auto", 100, 24) == 24
+    assert micro_batch_rows("auto", 5, 24) == 5
+    assert micro_batch_rows("auto", 100, None) == 16
+    assert micro_batch_rows(4, 100, 24) == 4

@@ -1,11 +1,11 @@
-"""Tests for lorarl.losses against hand-computed values, torch.distributions and Monte-Carlo estimates."""
+"""Tests for lorarl.core.losses against hand-computed values, torch.distributions and Monte-Carlo estimates."""
 
 import math
 
 import pytest
 import torch
 
-from lorarl.losses import (
+from lorarl.core.losses import (
     LOSS_REDUCTIONS,
     bradley_terry_loss,
     entropy_from_logits,

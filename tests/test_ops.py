@@ -1,11 +1,11 @@
-"""Tests for lorarl.ops: masked statistics against hand-computed values."""
+"""Tests for lorarl.core.ops: masked statistics against hand-computed values."""
 
 import math
 
 import pytest
 import torch
 
-from lorarl.ops import masked_mean, masked_sum, masked_var, masked_whiten
+from lorarl.core.ops import masked_mean, masked_sum, masked_var, masked_whiten
 
 RTOL = 1e-5
 ATOL = 1e-6

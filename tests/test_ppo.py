@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lorarl.algos import ppo
-from lorarl.algos.ppo import RunningMoments, explained_variance
+from lorarl.algos.loop import train
 from lorarl.config import LoraSettings, ModelConfig, recipe_from_dict
+from lorarl.core.stats import RunningMoments, explained_variance
 from lorarl.model import SharedBase
 
 TOY_REWARD = '''
@@ -89,7 +90,7 @@ def test_explained_variance():
 def toy_run(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppo-toy")
     recipe = recipe_from_dict(toy_recipe(tiny_model_dir, tmp))
-    summary = ppo.train(recipe, tmp / "run")
+    summary = train(recipe, tmp / "run")
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     return tmp / "run", summary, rows
 
@@ -195,7 +196,7 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
         return result
 
     monkeypatch.setattr(ppo, "optimizer_step_halving", checked_step)
-    ppo.train(recipe, tmp_path / "run")
+    train(recipe, tmp_path / "run")
 
     assert len(loaded) == 1  # ONE base model loaded
     sb = loaded[0]
@@ -225,22 +226,23 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
     ck = tmp_path / "run" / "checkpoints" / "step-000002"
     assert (ck / "policy" / "adapter_config.json").is_file() and (ck / "critic" / "head.safetensors").is_file()
     state = json.loads((ck / "state.json").read_text())
-    assert state["roles"] == ["policy", "critic"] and state["data_position"] == 16
-    assert state["kl_ctl"]["value"] == pytest.approx(
+    assert state["roles"] == ["policy", "critic"] and state["loop"]["step"] == 2
+    algo = state["algo"]
+    assert algo["kl_ctl"]["value"] == pytest.approx(
         rows[-1]["kl_coef"] * (1 + max(min(rows[-1]["kl"] / 0.5 - 1, 0.2), -0.2) * 8 / 100)
     )
-    assert state["reward_stats"]["count"] == 16
+    assert algo["reward_stats"]["count"] == 16
     trainer = torch.load(ck / "trainer_state.pt", weights_only=True)
     assert set(trainer["optimizers"]) == {"policy", "critic"} and trainer["optimizers"]["critic"]["state"]
 
     # resume: continues at step 3 from the saved state
     monkeypatch.undo()
     recipe3 = recipe_from_dict({**d, "train": {**d["train"], "steps": 3}})
-    out = ppo.train(recipe3, tmp_path / "run", resume=True)
+    out = train(recipe3, tmp_path / "run", resume=True)
     assert out["steps_this_run"] == 1
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["kl_coef"] == pytest.approx(state["kl_ctl"]["value"])
+    assert rows[-1]["kl_coef"] == pytest.approx(algo["kl_ctl"]["value"])
 
 
 def test_ppo_needs_a_reward_adapter(tiny_model_dir, tmp_path):
@@ -248,7 +250,7 @@ def test_ppo_needs_a_reward_adapter(tiny_model_dir, tmp_path):
 
     d = toy_recipe(tiny_model_dir, tmp_path, reward_source="reward_model")
     with pytest.raises(LorarlError, match="reward_adapter"):
-        ppo.train(recipe_from_dict(d), tmp_path / "run")
+        train(recipe_from_dict(d), tmp_path / "run")
 
 
 def test_eval_cli_prints_reward_mean_last(toy_run, tiny_model_dir, tmp_path, capsys):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from lorarl.data.preferences import encode_pair, load_preferences, normalize_pair, resolve_source
+from lorarl.model.tokens import pad_right
 from lorarl.errors import DataError
-from lorarl.preferences import encode_pair, load_preferences, normalize_pair, pad_batch, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 U = {"role": "user", "content": "What is 2 + 2?"}
@@ -95,12 +96,15 @@ def test_pkg_prefix_and_relative_paths(tmp_path, monkeypatch):
     recipe_dir = tmp_path / "recipes"
     recipe_dir.mkdir()
     write_jsonl(recipe_dir / "pairs.jsonl", [{"chosen": "a", "rejected": "b"}])
-    assert resolve_source("pairs.jsonl", base_dir=recipe_dir) == recipe_dir / "pairs.jsonl"
+    assert resolve_source("pairs.jsonl", recipe_dir / "r.yaml") == recipe_dir / "pairs.jsonl"
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "here.jsonl", [{"chosen": "a", "rejected": "b"}])
-    assert resolve_source("here.jsonl", base_dir=recipe_dir) == Path("here.jsonl")
+    assert resolve_source("here.jsonl", recipe_dir / "r.yaml") == Path("here.jsonl")
     with pytest.raises(DataError, match="no such file"):
-        resolve_source("missing.jsonl", base_dir=recipe_dir)
+        resolve_source("missing.jsonl", recipe_dir / "r.yaml")
+    # one documented order (lorarl.runs.resolve_path): the current directory first, then beside the recipe
+    write_jsonl(tmp_path / "pairs.jsonl", [{"chosen": "a", "rejected": "b"}])
+    assert resolve_source("pairs.jsonl", recipe_dir / "r.yaml") == Path("pairs.jsonl")
 
 
 def test_datasets_folder_train_and_test_splits(tmp_path):
@@ -140,7 +144,7 @@ def test_plain_pairs_and_padding_read_score_at_eos(tok):
 
     c, r = encode_pair(normalize_pair({"prompt": "2 + 2 =", "chosen": " 4", "rejected": " five or so"}, 0), tok)
     assert c[-1] == tok.eos_token_id and r[-1] == tok.eos_token_id
-    ids, att = pad_batch([c, r], tok.pad_token_id)
+    ids, att = pad_right([c, r], tok.pad_token_id)
     assert ids.shape == (2, max(len(c), len(r)))
     # pad == eos for SmolLM2: the score position comes from the mask, and it is the EOS that ends each response
     idx = last_token_index(att)

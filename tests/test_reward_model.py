@@ -11,9 +11,11 @@ import torch
 import yaml
 
 from lorarl.algos import reward_model
-from lorarl.algos.reward_model import pairwise_metrics, resolve_reward_adapter
+from lorarl.algos.loop import train
+from lorarl.algos.reward_model import pairwise_metrics
 from lorarl.config import recipe_from_dict
 from lorarl.errors import LorarlError
+from lorarl.rewards.source import resolve_reward_adapter
 
 GOOD = ["good", "great", "fine", "nice", "lovely", "superb"]
 BAD = ["bad", "awful", "poor", "ugly", "nasty", "dreadful"]
@@ -54,7 +56,7 @@ def rm_run(tiny_model_dir, tmp_path_factory):
     from lorarl.config import load_recipe
 
     recipe = load_recipe(recipe_path)
-    summary = reward_model.train(recipe, tmp / "run")
+    summary = train(recipe, tmp / "run")
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     return recipe_path, tmp / "run", summary, rows
 
@@ -73,7 +75,7 @@ def test_heldout_pairwise_accuracy_rises_well_above_chance(rm_run):
         assert (run_dir / "reward" / name).is_file(), name
     ck = run_dir / "checkpoints" / "step-000016"
     assert (ck / "reward" / "head.safetensors").is_file()
-    assert json.loads((ck / "state.json").read_text())["data_position"] == 16 * 8
+    assert json.loads((ck / "state.json").read_text())["loop"]["step"] == 16
 
 
 def test_eval_cli_prints_pairwise_accuracy_and_n_last(rm_run, capsys):
@@ -96,7 +98,7 @@ def test_resolve_reward_adapter(rm_run, tmp_path):
     _, run_dir, _, _ = rm_run
     assert resolve_reward_adapter(run_dir) == run_dir / "reward"
     assert resolve_reward_adapter(run_dir / "reward") == run_dir / "reward"
-    assert resolve_reward_adapter("run", base_dir=run_dir.parent) == run_dir / "reward"
+    assert resolve_reward_adapter("run", recipe_path=run_dir.parent / "x.yaml") == run_dir / "reward"  # beside it
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "adapter_config.json").write_text("{}")
     with pytest.raises(LorarlError, match="head"):
@@ -124,7 +126,7 @@ def test_reward_model_needs_preference_data(tiny_model_dir, tmp_path):
     d = rm_recipe(tiny_model_dir, tmp_path)
     d["data"] = {"source": "arithmetic"}
     with pytest.raises(DataError, match="preference pairs"):
-        reward_model.train(recipe_from_dict(d), tmp_path / "run")
+        train(recipe_from_dict(d), tmp_path / "run")
 
 
 def test_length_groups_by_hand():

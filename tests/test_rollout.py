@@ -7,16 +7,9 @@ import pytest
 import torch
 
 from lorarl.config import GenerationConfig, LoraSettings
-from lorarl.rollout import (
-    Rollout,
-    completion_logprobs,
-    completion_mask,
-    eos_token_ids,
-    generate_rollout,
-    pack_completions,
-    pad_left,
-    prompt_groups,
-)
+from lorarl.model.logprobs import completion_logprobs, pack_completions, prompt_groups
+from lorarl.model.tokens import completion_mask, pad_left
+from lorarl.rollout import Rollout, generate_rollout
 
 
 @pytest.mark.parametrize(
@@ -103,7 +96,7 @@ def test_rollout_masks_come_from_generation_with_pad_equal_eos(policy_shared, mo
     sb = policy_shared
     eos = sb.tokenizer.eos_token_id
     assert sb.tokenizer.pad_token_id == eos
-    assert eos in eos_token_ids(sb)
+    assert eos in sb.eos_ids
     a, b = sb.tokenizer.encode("4")[0], sb.tokenizer.encode("5")[0]
     fake = [[a, eos, eos, eos, eos], [a, b, eos, eos, eos], [b, b, b, eos, eos], [eos, eos, eos, eos, eos]]
 

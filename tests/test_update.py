@@ -11,8 +11,9 @@ import torch
 
 from lorarl.algos.grpo import grpo_loss
 from lorarl.config import GenerationConfig, GRPOConfig, LoraSettings
+from lorarl.core.schedules import make_scheduler
 from lorarl.rollout import generate_rollout
-from lorarl.update import make_scheduler, micro_batches, optimizer_step
+from lorarl.update import micro_batches, optimizer_step
 
 
 def test_micro_batches_cover_rows():

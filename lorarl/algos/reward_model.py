@@ -8,13 +8,13 @@ column) and the reward-centering term of Eisenstein et al. 2023 (``reward_model.
 sequence is the head applied to the hidden state of its last non-pad token (the EOS that ends the response), found
 from the attention mask.
 
-Read :func:`train` top to bottom; its steps are numbered:
+Read :meth:`RewardModel.step` top to bottom; its steps are numbered (the run loop does the rest):
 
 1. a batch of pairs (a per-epoch shuffle derived from ``(seed, epoch)``, so a resumed run sees the same data);
 2. one optimizer step over micro-batches: chosen and rejected sequences of a micro-batch go through the base in one
    forward pass, the Bradley-Terry loss is averaged over the batch's pairs (gradient accumulation is exact);
 3. held-out pairwise accuracy every ``reward_model.eval_every`` steps and at the end;
-4. metrics, checkpoints; at the end the ``reward/`` adapter (PEFT folder + ``head.safetensors``) and a plot.
+4. metrics; at the end (:meth:`RewardModel.finish`) the ``reward/`` adapter (PEFT folder + ``head.safetensors``).
 
 The run stops after ``reward_model.epochs`` passes over the pairs or ``train.steps`` optimizer steps, whichever
 comes first. :func:`evaluate` prints the held-out pairwise accuracy (``lorarl eval recipes/reward_model.yaml
@@ -24,23 +24,23 @@ comes first. :func:`evaluate` prints the held-out pairwise accuracy (``lorarl ev
 from __future__ import annotations
 
 import functools
+import json
 import math
-import os
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from lorarl.algos.grpo import batch_indices, peak_memory_gb, resolve_micro_batch, set_threads, start_run
+from lorarl.algos.base import batch_indices, micro_batch_rows, tail_mean, trained_role
 from lorarl.config import Recipe
+from lorarl.core.losses import bradley_terry_loss
+from lorarl.data.preferences import PreferenceSet, load_preferences, resolve_source
 from lorarl.errors import DataError, LorarlError
-from lorarl.losses import bradley_terry_loss
-from lorarl.metrics import MetricsLogger, plot_metrics
-from lorarl.model import HEAD_FILE, SharedBase
-from lorarl.preferences import PreferenceSet, load_preferences, pad_batch
-from lorarl.update import count_nonfinite, make_scheduler, micro_batches, optimizer_step
+from lorarl.model import SharedBase
+from lorarl.model.tokens import pad_right
+from lorarl.rewards.source import REWARD, resolve_reward_adapter
+from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
-REWARD = "reward"
 PLOT_PANELS = (
     ("Bradley-Terry loss", ("loss",)),
     ("pairwise accuracy", ("accuracy", "eval_accuracy")),
@@ -49,13 +49,12 @@ PLOT_PANELS = (
 )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers (the loop itself is `train` below)
-# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class PairBatch:
+    """Step ``step``'s pairs: rows ``pairs`` of the training preference set."""
 
-
-def _base_dir(recipe: Recipe) -> Path | None:
-    return Path(recipe.source_path).parent if recipe.source_path else None
+    step: int
+    pairs: list[int]
 
 
 def load_pairs(recipe: Recipe, tokenizer, split: str, limit: int | None = None) -> PreferenceSet | None:
@@ -71,13 +70,13 @@ def load_pairs(recipe: Recipe, tokenizer, split: str, limit: int | None = None) 
     if split == "eval":
         if data.eval_source:
             source = data.eval_source
-        elif not Path(source).is_dir():
+        elif not resolve_source(source, recipe.source_path).is_dir():
             return None
     return load_preferences(
         source,
         tokenizer,
         split=split,
-        base_dir=_base_dir(recipe),
+        recipe_path=recipe.source_path,
         system_prompt=data.system_prompt,
         max_length=recipe.reward_model.max_length,
         on_bad_row=data.on_bad_row,
@@ -103,10 +102,10 @@ def score_sequences(shared: SharedBase, seqs: list[list[int]], max_tokens: int) 
     """Scores of ``seqs`` with the active ``reward`` role -> [len(seqs)] fp32, in the order given. Sequences are
     scored in length-sorted groups (:func:`length_groups`), so short ones are not padded to long ones; the scores
     do not depend on the grouping (each is read at its own last token under a causal mask)."""
-    pad = shared.tokenizer.pad_token_id
+    pad = shared.pad_id
     out = [None] * len(seqs)
     for group in length_groups([len(s) for s in seqs], max_tokens):
-        ids, att = pad_batch([seqs[i] for i in group], pad)
+        ids, att = pad_right([seqs[i] for i in group], pad)
         scores = shared.scores(ids.to(shared.device), att.to(shared.device), head=REWARD)
         for k, i in enumerate(group):
             out[i] = scores[k]
@@ -150,30 +149,6 @@ def pairwise_metrics(rc: torch.Tensor, rr: torch.Tensor, pairs: PreferenceSet | 
     return out
 
 
-def resolve_reward_adapter(path: str | os.PathLike, base_dir: str | os.PathLike | None = None) -> Path:
-    """A reward-model run directory (its ``reward/``), a step checkpoint (its ``reward/``) or the adapter folder
-    itself -> the adapter folder (holding ``adapter_config.json`` and ``head.safetensors``). A relative path is
-    looked up in the current directory, then beside ``base_dir`` (a recipe's folder)."""
-    p = Path(path).expanduser()
-    if not p.is_absolute() and not p.exists() and base_dir is not None and (Path(base_dir) / p).exists():
-        p = Path(base_dir) / p
-    if not p.exists():
-        raise LorarlError(
-            f"reward adapter {path}: no such folder (train one with `lorarl train recipes/reward_model.yaml`)"
-        )
-    candidates = [p, p / REWARD]
-    if (p / "checkpoints").is_dir():
-        steps = sorted(c for c in (p / "checkpoints").glob("step-*") if (c / "COMPLETE").is_file())
-        if steps:
-            candidates.append(steps[-1] / REWARD)
-    for c in candidates:
-        if (c / "adapter_config.json").is_file():
-            if not (c / HEAD_FILE).is_file():
-                raise LorarlError(f"reward adapter {c}: no {HEAD_FILE} (the score head); is it a reward-model adapter?")
-            return c
-    raise LorarlError(f"reward adapter {path}: no PEFT adapter in it or in its {REWARD}/ folder")
-
-
 def bt_loss(
     shared: SharedBase,
     pairs: PreferenceSet,
@@ -203,138 +178,102 @@ def bt_loss(
     return per_pair.sum() / batch_pairs, stats
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------------------------
+class RewardModel:
+    """The reward adapter + score head on the shared base, trained on preference pairs: set-up, then :meth:`step`."""
 
+    name = "reward_model"
+    plot_panels = PLOT_PANELS
 
-def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None) -> dict:
-    """Train the ``reward`` adapter and score head; write the run directory; return a summary.
+    def __init__(self, recipe: Recipe, shared: SharedBase):
+        self.recipe, self.shared = recipe, shared
+        cfg, tcfg = recipe.reward_model, recipe.train
+        if recipe.model.init_adapter:
+            shared.add_adapter(REWARD, init_from=recipe.model.init_adapter, trainable=True, head=True)
+        else:
+            shared.add_adapter(REWARD, recipe.lora, head=True)
+        self.roles = [REWARD]
+        self.train_pairs = load_pairs(recipe, shared.tokenizer, "train")
+        self.eval_pairs = load_pairs(recipe, shared.tokenizer, "eval", limit=recipe.eval.n)
+        n, B = len(self.train_pairs), cfg.batch_size
+        self.total_steps = min(tcfg.steps, cfg.epochs * math.ceil(n / B))  # train.steps or the epochs, first
+        self.last_step = self.total_steps  # the loop lowers it for --max-steps
+        self.role = trained_role(shared, REWARD, tcfg, self.total_steps)
+        self.optimizers, self.schedulers = {REWARD: self.role.optimizer}, {REWARD: self.role.scheduler}
+        self.use_margin = cfg.margin and self.train_pairs.margins([0]) is not None
+        self.mbs = micro_batch_rows(tcfg.micro_batch_size, B)
+        self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
+        self.eval_result: dict | None = None
 
-    ``out_dir`` gets ``recipe.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/step-NNNNNN/`` (every
-    ``train.save_every`` steps), and at the end ``reward/`` (PEFT adapter + ``head.safetensors``), ``eval.json``
-    (held-out pairwise accuracy) and ``plot.png``.
-    """
-    t_start = time.perf_counter()
-    cfg, tcfg = recipe.reward_model, recipe.train
-    run_dir = start_run(recipe, out_dir)
+    def batch(self, step: int) -> PairBatch:
+        """1. A batch of pairs: step ``step`` of a per-epoch shuffle."""
+        return PairBatch(step, batch_indices(len(self.train_pairs), self.recipe.reward_model.batch_size, self.recipe.train.seed, step))
 
-    # -- set-up: one base, the reward adapter + score head, the pairs, the optimizer --------------------------
-    shared = SharedBase.load(recipe.model)
-    if recipe.model.init_adapter:
-        shared.add_adapter(REWARD, init_from=recipe.model.init_adapter, trainable=True, head=True)
-    else:
-        shared.add_adapter(REWARD, recipe.lora, head=True)
-    train_pairs = load_pairs(recipe, shared.tokenizer, "train")
-    eval_pairs = load_pairs(recipe, shared.tokenizer, "eval", limit=recipe.eval.n)
-    params = shared.trainable_parameters(REWARD)
-    optimizer = torch.optim.AdamW(params, lr=tcfg.learning_rate, weight_decay=tcfg.weight_decay)
-    n, B = len(train_pairs), cfg.batch_size
-    steps_per_epoch = math.ceil(n / B)
-    total_steps = min(tcfg.steps, cfg.epochs * steps_per_epoch)
-    scheduler = make_scheduler(optimizer, tcfg.lr_scheduler, tcfg.warmup_steps, total_steps)
-    last_step = min(total_steps, max_steps) if max_steps else total_steps
-    use_margin = cfg.margin and train_pairs.margins([0]) is not None
-    mbs = resolve_micro_batch(tcfg.micro_batch_size, B)
+    def step(self, batch: PairBatch) -> dict:
+        """One optimizer step on ``batch`` (and a held-out evaluation every ``reward_model.eval_every`` steps)."""
+        shared, cfg, tcfg = self.shared, self.recipe.reward_model, self.recipe.train
+        idx, step = batch.pairs, batch.step
 
-    state = {"nonfinite_in_row": 0, "skipped_updates": 0}
-    start_step = 0
-    if resume:
-        from lorarl.checkpoint import resume_into
-
-        start_step = resume_into(run_dir, shared, {REWARD: optimizer}, {REWARD: scheduler}, state)
-    logger = MetricsLogger(run_dir, resume_step=start_step if resume else None)
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=last_step, initial=start_step, desc="reward_model", unit="step", dynamic_ncols=True)
-    history: list[dict] = []
-    eval_result: dict | None = None
-    try:
-        for step in range(start_step + 1, last_step + 1):
-            t0 = time.perf_counter()
-
-            # 1. A batch of pairs: step `step` of a per-epoch shuffle ---------------------------------------
-            idx = batch_indices(n, B, tcfg.seed, step)
-
-            # 2. One optimizer step: chosen + rejected in one forward per micro-batch, BT loss / batch pairs ---
-            loss_fn = functools.partial(
-                bt_loss, shared, train_pairs, len(idx), use_margin, cfg.center_coef, cfg.max_tokens_per_forward
+        # 2. One optimizer step: chosen + rejected in length-sorted forwards, BT loss / batch pairs -------------
+        loss_fn = functools.partial(
+            bt_loss, shared, self.train_pairs, len(idx), self.use_margin, cfg.center_coef, cfg.max_tokens_per_forward
+        )
+        with shared.role(REWARD, train=True):  # active through backward too (checkpointing recomputes)
+            result = optimizer_step(
+                self.role.params,
+                self.role.optimizer,
+                (idx[s] for s in micro_batches(len(idx), self.mbs)),
+                loss_fn,
+                max_grad_norm=tcfg.max_grad_norm,
+                scheduler=self.role.scheduler,
             )
-            with shared.role(REWARD, train=True):  # active through backward too (checkpointing recomputes)
-                result = optimizer_step(
-                    params,
-                    optimizer,
-                    (idx[s] for s in micro_batches(len(idx), mbs)),
-                    loss_fn,
-                    max_grad_norm=tcfg.max_grad_norm,
-                    scheduler=scheduler,
-                )
-            count_nonfinite(result, state, step, tcfg.max_nonfinite_in_row)
+        self.guard.check(result, step)
+        row = {
+            "loss": result.loss,
+            **result.stats,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "epoch": (step - 1) * cfg.batch_size / len(self.train_pairs),
+            "skipped_updates": self.guard.skipped,
+        }
 
-            # 3. Held-out pairwise accuracy ---------------------------------------------------------------------
-            row = {
-                "loss": result.loss,
-                **result.stats,
-                "grad_norm": result.grad_norm,
-                "lr": result.lr,
-                "epoch": (step - 1) * B / n,
-                "skipped_updates": state["skipped_updates"],
-            }
-            if eval_pairs is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
-                eval_result = pairwise_metrics(
-                    *score_pairs(shared, eval_pairs, recipe.eval.batch_size, cfg.max_tokens_per_forward), eval_pairs
-                )
-                row["eval_accuracy"] = eval_result["pairwise_accuracy"]
-                row["eval_loss"] = eval_result["loss"]
+        # 3. Held-out pairwise accuracy ---------------------------------------------------------------------------
+        last = step == self.last_step
+        if self.eval_pairs is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
+            self.eval_result = pairwise_metrics(
+                *score_pairs(shared, self.eval_pairs, self.recipe.eval.batch_size, cfg.max_tokens_per_forward),
+                self.eval_pairs,
+            )
+            row.update(eval_accuracy=self.eval_result["pairwise_accuracy"], eval_loss=self.eval_result["loss"])
+            row["_log_now"] = True
+        return row
 
-            # 4. Metrics, progress, checkpoint ------------------------------------------------------------------
-            row["step_time"] = time.perf_counter() - t0
-            row["peak_mem_gb"] = peak_memory_gb(shared.device)
-            history.append(row)
-            if step % tcfg.log_every == 0 or step == last_step or "eval_accuracy" in row:
-                logger.log(step, row)
-            bar.set_postfix(loss=f"{result.loss:.3f}", acc=f"{row.get('accuracy', float('nan')):.2f}")
-            bar.update(1)
-            if tcfg.save_every > 0 and (step % tcfg.save_every == 0 or step == last_step):
-                from lorarl.checkpoint import save_checkpoint
+    def progress(self, row: dict) -> dict:
+        return {"loss": f"{row['loss']:.3f}", "acc": f"{row.get('accuracy', float('nan')):.2f}"}
 
-                save_checkpoint(
-                    run_dir,
-                    step,
-                    shared,
-                    [REWARD],
-                    {REWARD: optimizer},
-                    {REWARD: scheduler},
-                    {**state, "data_position": step * B, "epoch": (step * B) // n},
-                    recipe,
-                    keep_last=tcfg.keep_last,
-                )
-    finally:
-        bar.close()
-        logger.close()
+    def state_dict(self) -> dict:
+        return {"guard": self.guard.state_dict()}
 
-    # -- the result: the reward adapter + head, the held-out accuracy, a plot ---------------------------------
-    shared.save_adapter(REWARD, run_dir / REWARD)
-    if eval_result is not None:
-        import json
+    def load_state_dict(self, state: dict) -> None:
+        self.guard.load_state_dict(state["guard"])
 
-        (run_dir / "eval.json").write_text(json.dumps(eval_result, indent=2), encoding="utf-8")
-    plot = plot_metrics(run_dir, panels=PLOT_PANELS)
-    tail = [r["accuracy"] for r in history[-20:] if isinstance(r.get("accuracy"), float)]
-    return {
-        "run_dir": str(run_dir),
-        "reward": str(run_dir / REWARD),
-        "plot": str(plot),
-        "steps": last_step,
-        "steps_this_run": len(history),
-        "train_pairs": n,
-        "skipped_pairs": len(train_pairs.skipped),
-        "train_accuracy_last20": sum(tail) / len(tail) if tail else None,
-        "pairwise_accuracy": eval_result["pairwise_accuracy"] if eval_result else None,
-        "n": eval_result["n"] if eval_result else 0,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }
+    def finish(self, run_dir, history: list[dict]) -> dict:
+        """The reward adapter + head at ``run_dir/reward``, the held-out result in ``eval.json``; summary fields."""
+        self.shared.save_adapter(REWARD, run_dir / REWARD)
+        ev = self.eval_result
+        if ev is not None:
+            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2), encoding="utf-8")
+        return {
+            "reward": str(run_dir / REWARD),
+            "train_pairs": len(self.train_pairs),
+            "skipped_pairs": len(self.train_pairs.skipped),
+            "train_accuracy_last20": tail_mean(history, "accuracy", k=20),
+            "pairwise_accuracy": ev["pairwise_accuracy"] if ev else None,
+            "n": ev["n"] if ev else 0,
+        }
+
+    @staticmethod
+    def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
+        return evaluate(recipe, checkpoint, n, shared=shared)
 
 
 def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
@@ -343,14 +282,11 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     checkpoint, seconds}``."""
     t0 = time.perf_counter()
     if checkpoint == "base":
-        raise LorarlError("the base model has no score head: give a reward-model run directory or adapter folder")
+        raise LorarlError("a reward model has no `base` to evaluate: give its run directory or adapter folder")
     folder = resolve_reward_adapter(checkpoint)
-    set_threads()
     if shared is None:
         shared = SharedBase.load(recipe.model)
-    if shared.has_adapter(REWARD):
-        shared.peft.delete_adapter(REWARD)
-        del shared.heads[REWARD]
+    shared.remove_adapter(REWARD)
     shared.add_adapter(REWARD, init_from=folder, trainable=False, head=True)
     pairs = load_pairs(recipe, shared.tokenizer, "eval", limit=n or recipe.eval.n)
     if pairs is None:

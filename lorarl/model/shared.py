@@ -28,141 +28,21 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lorarl.config import LoraSettings, ModelConfig
 from lorarl.errors import LorarlError
-from lorarl.models import resolve_model
+from lorarl.model.loading import load_base, lora_config, new_head
+from lorarl.model.logprobs import chunked_token_logprobs
+from lorarl.model.tokens import eos_token_ids, last_token_index, position_ids
 
 REFERENCE = "reference"
 HEAD_FILE = "head.safetensors"
 HEAD_ROLES = ("critic", "reward")
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def resolve_quantization(cfg: ModelConfig, device: torch.device) -> str:
-    if cfg.quantization == "auto":
-        return "nf4" if device.type == "cuda" else "none"
-    return cfg.quantization
-
-
-def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"  # prompts are left padded so every completion starts at the same column
-    return tok
-
-
-def load_base(cfg: ModelConfig, device: torch.device | None = None):
-    """Load the base model once: NF4 (bitsandbytes, double quantization, bf16 compute) or full precision."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    device = device or pick_device()
-    path = resolve_model(cfg.name)
-    quant = resolve_quantization(cfg, device)
-    dtype = resolve_dtype(cfg, device)
-    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
-    if quant == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype if dtype != torch.float32 or device.type == "cpu" else torch.bfloat16,
-        )
-        kwargs["device_map"] = {"": str(device) if device.type == "cpu" else device.index or 0}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as e:
-        raise LorarlError(f"model {cfg.name}: cannot load ({e})") from None
-    if quant != "nf4":
-        model.to(device)
-    tok = load_tokenizer(path, cfg.trust_remote_code)
-    return model, tok, path
-
-
-def lora_config(settings: LoraSettings):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=settings.target_modules,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def new_head(hidden_size: int, device) -> nn.Linear:
-    """Value / score head: hidden -> 1, kept in fp32 on the base's device (small; no dtype traps)."""
-    head = nn.Linear(hidden_size, 1, bias=True, dtype=torch.float32, device=device)
-    nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
-    nn.init.zeros_(head.bias)
-    return head
-
-
-def chunked_token_logprobs(
-    hidden: torch.Tensor,
-    lm_head: nn.Module,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 256,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(lm_head(h_t) / temperature)[targets_t], computed ``chunk_size`` positions at a time.
-
-    hidden [B, T, H], targets [B, T] -> logprobs [B, T] fp32 (and entropy [B, T] if asked). Each chunk's logits are
-    recomputed in the backward pass (activation checkpointing), so at most one chunk of ``[B, chunk, V]`` fp32
-    logits is alive at a time, forward or backward.
-    """
-
-    def one_chunk(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = lm_head(h).float() / temperature  # [B, c, V]
-        lse = torch.logsumexp(logits, dim=-1)  # [B, c]
-        lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
-        if with_entropy:
-            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        else:
-            ent = torch.zeros_like(lse)
-        return lp, ent
-
-    outs_lp, outs_ent = [], []
-    for s in range(0, hidden.shape[1], chunk_size):
-        h, tgt = hidden[:, s : s + chunk_size], targets[:, s : s + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(one_chunk, h, tgt, use_reentrant=False)
-        else:
-            lp, ent = one_chunk(h, tgt)
-        outs_lp.append(lp)
-        outs_ent.append(ent)
-    lp = torch.cat(outs_lp, dim=1)
-    return lp, (torch.cat(outs_ent, dim=1) if with_entropy else None)
-
-
 def _is_lora_of(param_name: str, adapter: str) -> bool:
     """PEFT names LoRA weights ``...q_proj.lora_A.<adapter>.weight`` (embeddings: ``lora_embedding_A.<adapter>``)."""
     return "lora_" in param_name and f".{adapter}." in param_name + "."
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last non-pad position of each row, from the attention mask (never from pad_token_id)."""
-    T = attention_mask.shape[1]
-    positions = torch.arange(T, device=attention_mask.device).expand_as(attention_mask)
-    return torch.where(attention_mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
 
 
 class SharedBase:
@@ -250,6 +130,29 @@ class SharedBase:
             self.heads[name].requires_grad_(trainable)
         self.peft.eval()
 
+    def remove_adapter(self, name: str) -> None:
+        """Delete adapter ``name`` and its head (a no-op when there is none). If it is the active adapter, another
+        one becomes active first (PEFT cannot delete the active adapter while others exist)."""
+        if not self.has_adapter(name):
+            return
+        if self.peft.active_adapter == name:
+            others = [a for a in self.adapters if a != name]
+            if others:
+                self.peft.set_adapter(others[0])
+        self.peft.delete_adapter(name)
+        if name in self.heads:
+            del self.heads[name]
+
+    def load_adapter_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        """Overwrite adapter ``name``'s LoRA weights in place from a PEFT state dict (``adapter_model.safetensors``
+        keys); raises LorarlError when the keys do not belong to this adapter's shape."""
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.peft, weights, adapter_name=name)
+        unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+        if unexpected:
+            raise LorarlError(f"weights do not match adapter {name!r} ({unexpected[0]} ...)")
+
     def adapter_parameters(self, name: str) -> list[nn.Parameter]:
         """The LoRA parameters of adapter ``name`` (not the head)."""
         if self.peft is None:
@@ -313,19 +216,39 @@ class SharedBase:
             module.train(was_training)
 
     # ---- forward functions ----------------------------------------------------------------------------------
-    def _decoder(self) -> nn.Module:
+    def decoder(self) -> nn.Module:
+        """The decoder stack without the output head (input ids -> last hidden states); its LoRA layers follow the
+        active role."""
         inner = self.peft.get_base_model() if self.peft is not None else self.base
         return inner.get_decoder() if hasattr(inner, "get_decoder") else inner.model
 
-    def _lm_head(self) -> nn.Module:
+    def output_head(self) -> nn.Module:
         """The output projection hidden -> vocabulary (its LoRA layers, if any, follow the active role)."""
         return (self.peft.get_base_model() if self.peft is not None else self.base).get_output_embeddings()
 
+    @property
+    def attn_implementation(self) -> str:
+        """The attention implementation the base runs (``sdpa``, ``eager``, ``flash_attention_2``, ...)."""
+        return getattr(self.base.config, "_attn_implementation", None) or "sdpa"
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Every id that ends a completion (:func:`lorarl.model.tokens.eos_token_ids`)."""
+        return eos_token_ids(self.base, self.tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        """The id padding is written with (the tokenizer's pad, which :func:`load_tokenizer` sets to EOS if none)."""
+        tok = self.tokenizer
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states [B, T, H] of the active role (no logits computed)."""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self._decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        out = self.decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
         )
         return out.last_hidden_state
 
@@ -344,7 +267,7 @@ class SharedBase:
         if start < 1:
             raise ValueError("start must be >= 1 (the first token has no prediction)")
         hidden = self.hidden_states(input_ids, attention_mask)[:, start - 1 : -1]
-        head = self._lm_head()
+        head = self.output_head()
         return chunked_token_logprobs(
             hidden, head, input_ids[:, start:], temperature, self.cfg.logprob_chunk_size, with_entropy
         )

@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from lorarl.data import _read_datasets_folder, read_jsonl
-from lorarl.errors import DataError
+from lorarl.data.files import read_datasets_folder, read_jsonl
+from lorarl.errors import DataError, LorarlError
+from lorarl.runs import PKG_PREFIX, resolve_path
 
-PKG_PREFIX = "pkg:"
 Split = Literal["train", "eval"]
 
 __all__ = [
@@ -53,7 +52,6 @@ __all__ = [
     "load_preferences",
     "encode_pair",
     "encode_response",
-    "pad_batch",
 ]
 
 
@@ -91,29 +89,20 @@ class PreferenceSet:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def resolve_source(source: str, base_dir: str | Path | None = None) -> Path:
-    """``pkg:NAME`` -> lorarl's ``data/NAME``; a relative path -> beside ``base_dir`` (the recipe's folder) if it
-    exists there, else relative to the current directory. Raises DataError when nothing is there."""
-    if source.startswith(PKG_PREFIX):
-        name = source[len(PKG_PREFIX) :].lstrip("/")
-        path = Path(str(resources.files("lorarl") / "data" / name))
-        if not path.exists():
-            shipped = sorted(p.name for p in Path(str(resources.files("lorarl") / "data")).glob("*.jsonl"))
-            raise DataError(f"{source}: no such file shipped with lorarl (shipped: {', '.join(shipped) or 'none'})")
-        return path
-    path = Path(source).expanduser()
-    if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).exists():
-        return Path(base_dir) / path
-    if not path.exists():
-        raise DataError(f"preference source {source}: no such file or folder")
-    return path
+def resolve_source(source: str, recipe_path: str | Path | None = None) -> Path:
+    """Where a preference source is: ``pkg:NAME``, or a path by :func:`lorarl.runs.resolve_path`'s order (the
+    current directory, then beside the recipe). Raises DataError when nothing is there."""
+    try:
+        return resolve_path(source, recipe_path, "preference source")
+    except LorarlError as e:
+        raise DataError(str(e)) from None
 
 
-def read_rows(source: str, split: Split = "train", base_dir: str | Path | None = None) -> tuple[list[Any], str]:
+def read_rows(source: str, split: Split = "train", recipe_path: str | Path | None = None) -> tuple[list[Any], str]:
     """The raw rows of a preference source (see the module docstring) and a description of where they came from."""
-    path = resolve_source(source, base_dir)
+    path = resolve_source(source, recipe_path)
     if path.is_dir():
-        return _read_datasets_folder(path, split), str(path)
+        return read_datasets_folder(path, split), str(path)
     if path.suffix != ".jsonl":
         raise DataError(f"preference source {source}: expected a .jsonl file, a datasets folder or pkg:NAME")
     return read_jsonl(path, objects=False), str(path)
@@ -233,7 +222,7 @@ def encode_response(response: str | list[dict], tokenizer) -> list[int]:
 
 def encode_pair(pair: dict, tokenizer, system_prompt: str | None = None, i: int = 0) -> tuple[list[int], list[int]]:
     """``(chosen_ids, rejected_ids)``: prompt tokens (rendered as the rollout renders prompts) + response + EOS."""
-    from lorarl.data import encode_prompt, prompt_text
+    from lorarl.data.prompts import encode_prompt, prompt_text
 
     prompt = pair["prompt"]
     if prompt is None:
@@ -249,7 +238,7 @@ def load_preferences(
     tokenizer=None,
     *,
     split: Split = "train",
-    base_dir: str | Path | None = None,
+    recipe_path: str | Path | None = None,
     system_prompt: str | None = None,
     max_length: int | None = None,
     on_bad_row: Literal["skip", "fail"] = "fail",
@@ -260,7 +249,7 @@ def load_preferences(
     ``max_length`` drops pairs whose longer side has more tokens (listed in ``skipped``, never an error, like TRL).
     ``limit`` keeps the first ``limit`` usable pairs. A source with no usable pair is always an error.
     """
-    rows, where = read_rows(source, split, base_dir)
+    rows, where = read_rows(source, split, recipe_path)
     out = PreferenceSet(pairs=[], source=where)
     for i, row in enumerate(rows):
         if limit is not None and len(out) >= limit:
@@ -285,15 +274,3 @@ def load_preferences(
         why = f"; first problem: {out.skipped[0][1]}" if out.skipped else ""
         raise DataError(f"{where}: no usable preference pairs{why}")
     return out
-
-
-def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-pad token lists -> ``(ids [B, L] long, attention_mask [B, L] long)``. The score is read at the last
-    position where the mask is 1, so the padding side does not matter (and pad may equal EOS)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for k, s in enumerate(sequences):
-        ids[k, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        mask[k, : len(s)] = 1
-    return ids, mask

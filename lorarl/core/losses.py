@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lorarl.ops import masked_mean, masked_sum
+from lorarl.core.ops import masked_mean, masked_sum
 
 __all__ = [
     "ppo_clip_loss",

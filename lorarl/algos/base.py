@@ -1,0 +1,128 @@
+"""What the run loop needs of an algorithm, and the set-up pieces every algorithm shares.
+
+An algorithm (GRPO, PPO, the reward model, SFT, ...) is a plain class with this shape (:class:`Algorithm`):
+
+* ``__init__(recipe, shared)``: the set-up -- its roles on the one base, its data, its optimizers;
+* ``batch(step) -> Batch``: the data of step ``step``, derived from ``(seed, step)`` so a resumed run sees the same;
+* ``step(batch) -> metrics``: one step of the algorithm, written top to bottom in numbered steps;
+* ``state_dict()`` / ``load_state_dict()``: what a checkpoint must hold beyond adapters, optimizers and RNGs;
+* ``finish(run_dir, history) -> summary``: the final adapters and the algorithm's part of the run summary.
+
+:func:`lorarl.algos.loop.train` does the rest (run directory, seeds, resume, checkpoints, metrics, evaluation,
+progress, plot), and benchmarks and tests call ``step`` directly: there is one copy of each step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from lorarl.config import Recipe, TrainConfig
+from lorarl.core.schedules import make_scheduler
+
+
+class Algorithm(Protocol):
+    """The shape the run loop drives (see the module docstring)."""
+
+    name: ClassVar[str]
+    plot_panels: ClassVar[tuple]
+    roles: list[str]  # the adapters this algorithm trains: saved in checkpoints and at the end
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
+    total_steps: int  # steps of the run (train.steps, or fewer when an epoch limit comes first)
+    last_step: int  # the step this run stops after (the loop sets it: --max-steps may stop it early)
+
+    def batch(self, step: int) -> Any: ...
+
+    def step(self, batch: Any) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def finish(self, run_dir, history: list[dict]) -> dict: ...
+
+
+@dataclass
+class TrainedRole:
+    """One trained adapter (and head): exactly its parameters, its AdamW and its LR schedule."""
+
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+
+def trained_role(shared, role: str, tcfg: TrainConfig, total_updates: int, lr: float | None = None) -> TrainedRole:
+    """AdamW over ``role``'s adapter + head (``lr`` or ``train.learning_rate``) with ``train.lr_scheduler``, whose
+    schedule spans ``total_updates`` optimizer steps (warm-up ``train.warmup_steps`` of them)."""
+    params = shared.trainable_parameters(role)
+    opt = torch.optim.AdamW(params, lr=lr or tcfg.learning_rate, weight_decay=tcfg.weight_decay)
+    sched = make_scheduler(opt, tcfg.lr_scheduler, tcfg.warmup_steps, total_updates)
+    return TrainedRole(params, opt, sched)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The RNG seed of step ``step``: sampling is reproducible per step, so a resumed run samples the same."""
+    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+def batch_indices(n_rows: int, per_step: int, seed: int, step: int) -> list[int]:
+    """Rows of step ``step`` (1-based): consecutive slices of a per-epoch shuffle seeded by ``(seed, epoch)``.
+
+    Example: 4 rows, 3 per step -> step 1 takes 3 rows of epoch 0's order, step 2 its last row and 2 of epoch 1's.
+    """
+    out: list[int] = []
+    pos = (step - 1) * per_step
+    while len(out) < per_step:
+        epoch, offset = divmod(pos, n_rows)
+        order = list(range(n_rows))
+        random.Random(f"{seed}:epoch:{epoch}").shuffle(order)
+        take = min(per_step - len(out), n_rows - offset)
+        out.extend(order[offset : offset + take])
+        pos += take
+    return out
+
+
+def micro_batch_rows(value: int | str, n: int, planned: int | None = None) -> int:
+    """Rows per forward/backward: an int as is; ``auto``: the memory planner's pick (``planned``) or else 16,
+    never more than the ``n`` rows to split."""
+    if value == "auto":
+        return max(1, min(n, planned or 16))
+    return int(value)
+
+
+def planned_micro_batch(recipe: Recipe, device_type: str) -> int | None:
+    """The planner's micro-batch for ``train.micro_batch_size: auto`` (None when a number is given)."""
+    if recipe.train.micro_batch_size != "auto":
+        return None
+    from lorarl.plan import resolve_micro_batch
+
+    return resolve_micro_batch(recipe, device_type=device_type)
+
+
+def load_train_prompts(recipe: Recipe, tokenizer):
+    """The training prompts; skipped bad rows (``data.on_bad_row: skip``) are reported on stderr."""
+    from lorarl.data import load_prompts
+
+    prompts = load_prompts(recipe.data, tokenizer, "train")
+    for i, why in prompts.skipped[:5]:
+        print(f"data: skipped row {i}: {why}", file=sys.stderr)
+    if prompts.skipped:
+        print(
+            f"data: skipped {len(prompts.skipped)} bad rows of {prompts.source} (data.on_bad_row: skip)",
+            file=sys.stderr,
+        )
+    return prompts
+
+
+def tail_mean(history: Sequence[dict], key: str, k: int = 10, head: bool = False) -> float | None:
+    """Mean of the finite values of ``key`` over the last (``head``: first) ``k`` rows of ``history``."""
+    rows = history[:k] if head else history[-k:]
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return sum(vals) / len(vals) if vals else None

@@ -1,0 +1,165 @@
+"""One run loop for every algorithm: run directory, seeds, resume, checkpoints, metrics, progress, plot, summary.
+
+:func:`train` reads top to bottom:
+
+1. the run directory (``recipe.yaml``), threads and seeds;
+2. the one shared base, and the algorithm's set-up on it (roles, data, optimizers);
+3. resume: the newest complete checkpoint, when asked;
+4. each step: seed the RNGs from ``(seed, step)``, take the step's batch, run the algorithm's ``step``, add timing
+   and memory, log, save a checkpoint every ``train.save_every`` steps;
+5. the algorithm's final adapters, a plot, and a summary (returned; the CLI prints it as the last stdout line).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from lorarl.algos import make_algorithm
+from lorarl.algos.base import Algorithm, step_seed
+from lorarl.config import Recipe, recipe_to_dict
+from lorarl.metrics import MetricsLogger, plot_metrics
+from lorarl.model import SharedBase
+
+
+@dataclass
+class LoopState:
+    """What the loop itself carries across a resume (the algorithm's own state is its ``state_dict``)."""
+
+    step: int = 0
+
+
+def set_threads() -> int:
+    """On CPU use every core this process may run on (the default can be lower in containers)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def start_run(recipe: Recipe, out_dir: str | os.PathLike) -> Path:
+    """Make the run directory, use every core, seed python and torch from ``train.seed``, write ``recipe.yaml``."""
+    run_dir = Path(out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    set_threads()
+    torch.manual_seed(recipe.train.seed)
+    random.seed(recipe.train.seed)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    return run_dir
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory so far: CUDA's max allocated on a GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except ImportError:  # pragma: no cover - not POSIX
+        return float("nan")
+
+
+def save(run_dir: Path, algo: Algorithm, shared: SharedBase, loop: LoopState, recipe: Recipe) -> Path:
+    """A step checkpoint of everything the next step needs (atomic; see :mod:`lorarl.checkpoint`)."""
+    from lorarl.checkpoint import save_checkpoint
+
+    state = {"loop": asdict(loop), "algo": algo.state_dict()}
+    return save_checkpoint(
+        run_dir,
+        loop.step,
+        shared,
+        algo.roles,
+        algo.optimizers,
+        algo.schedulers,
+        state,
+        recipe,
+        keep_last=recipe.train.keep_last,
+    )
+
+
+def restore(run_dir: Path, algo: Algorithm, shared: SharedBase) -> LoopState:
+    """The newest complete checkpoint of ``run_dir`` loaded into the adapters, optimizers, schedulers, RNGs and the
+    algorithm; a fresh :class:`LoopState` when there is none."""
+    from lorarl.checkpoint import load_checkpoint
+    from lorarl.runs import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return LoopState()
+    saved = load_checkpoint(ckpt, shared, algo.optimizers, algo.schedulers)
+    algo.load_state_dict(saved["algo"])
+    return LoopState(**saved["loop"])
+
+
+def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None) -> dict:
+    """Train ``recipe``'s algorithm; write the run directory ``out_dir``; return a summary.
+
+    ``out_dir`` gets ``recipe.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/step-NNNNNN/`` (every
+    ``train.save_every`` steps), and at the end the trained adapters (``policy/``, ``critic/``, ``reward/``) and
+    ``plot.png``. ``resume`` continues from the newest checkpoint; ``max_steps`` stops after that step (the LR
+    schedule still spans the whole run).
+    """
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
+    # 1-2. Run directory, seeds; the shared base and the algorithm's set-up on it ---------------------------
+    run_dir = start_run(recipe, out_dir)
+    shared = SharedBase.load(recipe.model)
+    algo = make_algorithm(recipe, shared)
+    last_step = min(algo.total_steps, max_steps) if max_steps else algo.total_steps
+    algo.last_step = last_step  # the step that ends this run (an algorithm may evaluate there)
+
+    # 3. Resume ---------------------------------------------------------------------------------------------
+    loop = restore(run_dir, algo, shared) if resume else LoopState()
+    start_step = loop.step
+    logger = MetricsLogger(run_dir, resume_step=start_step if resume else None)
+    bar = tqdm(total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True)
+    history: list[dict] = []
+
+    # 4. The steps ------------------------------------------------------------------------------------------
+    try:
+        for step in range(start_step + 1, last_step + 1):
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            torch.manual_seed(step_seed(recipe.train.seed, step))
+            row = algo.step(algo.batch(step))
+            step_time = time.perf_counter() - t0
+            row["step_time"] = step_time
+            row["step_cpu_s"] = time.process_time() - cpu0  # CPU seconds of this process (all threads)
+            if "tokens" in row:
+                row["tokens_per_s"] = row.pop("tokens") / max(step_time, 1e-9)
+            row["peak_mem_gb"] = peak_memory_gb(shared.device)
+            loop.step = step
+            log_now = bool(row.pop("_log_now", False))  # e.g. a step that ran a held-out evaluation
+            history.append(row)
+            if step % recipe.train.log_every == 0 or step == last_step or log_now:
+                logger.log(step, row)
+            bar.set_postfix(algo.progress(row))
+            bar.update(1)
+            save_every = recipe.train.save_every
+            if save_every > 0 and (step % save_every == 0 or step == last_step):
+                save(run_dir, algo, shared, loop, recipe)
+    finally:
+        bar.close()
+        logger.close()
+
+    # 5. Final adapters, plot, summary ------------------------------------------------------------------------
+    summary = algo.finish(run_dir, history)
+    plot = plot_metrics(run_dir, panels=algo.plot_panels)
+    return {
+        "run_dir": str(run_dir),
+        **summary,
+        "plot": str(plot),
+        "steps": last_step,
+        "steps_this_run": len(history),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }

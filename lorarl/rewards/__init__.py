@@ -1,0 +1,48 @@
+"""Reward functions: built-in rule rewards, a name -> function registry, and isolated, weighted scoring.
+
+A reward function has TRL's signature, so TRL reward functions drop in::
+
+    fn(prompts, completions, **dataset_columns) -> list[float | None]
+
+``prompts`` and ``completions`` are lists of strings, or of chat-message lists for conversational data (a
+completion is then ``[{"role": "assistant", "content": text}]``). Every extra dataset column is passed by name
+(``answer=[...]``), plus ``completion_ids`` (token ids per completion). ``None`` means "does not apply to this
+completion": the value is left out, like TRL does.
+
+Recipes name a function by built-in name (``numeric_match``, ``format``, ``partial_credit``, ``length_penalty``) or
+as ``module:function`` (``my_rewards:score``, or ``path/to/file.py:score``); ``kwargs`` in the recipe are bound to it.
+
+:class:`RewardScorer` calls each function once per batch and isolates failures: an exception or a timeout turns that
+function's column into NaN (a missing value, left out of the group statistics), is counted, and the run goes on.
+"""
+
+from lorarl.rewards.answers import completion_text, extract_answer, is_correct, parse_number
+from lorarl.rewards.builtins import (
+    BUILTIN_REWARDS,
+    RewardFn,
+    format_reward,
+    length_penalty,
+    numeric_match,
+    partial_credit,
+)
+from lorarl.rewards.registry import load_reward_fn
+from lorarl.rewards.scorer import RewardScorer, RewardScores, RewardTimeout, call_with_timeout, trl_completions
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardFn",
+    "RewardScorer",
+    "RewardScores",
+    "RewardTimeout",
+    "call_with_timeout",
+    "completion_text",
+    "extract_answer",
+    "format_reward",
+    "is_correct",
+    "length_penalty",
+    "load_reward_fn",
+    "numeric_match",
+    "parse_number",
+    "partial_credit",
+    "trl_completions",
+]

@@ -1,0 +1,221 @@
+"""Calling reward functions on a batch: each once, under a time limit, failures isolated and counted, then combined
+into a weighted total (NaN where no function has a value)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lorarl.config import RewardSpec
+from lorarl.errors import LorarlError
+from lorarl.rewards.builtins import BUILTIN_REWARDS, RewardFn
+from lorarl.rewards.registry import _metric_names, load_reward_fn
+
+
+class RewardTimeout(Exception):
+    """A reward function ran past its time limit."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None) -> Any:
+    """``fn()``, raising :class:`RewardTimeout` after ``timeout_s`` seconds (None or <= 0: no limit).
+
+    In the main thread on POSIX a SIGALRM interrupts the call (Python code stops; a timer another tool had set is
+    put back). Elsewhere the call runs in a daemon thread that is abandoned on timeout.
+    """
+    if not timeout_s or timeout_s <= 0:
+        return fn()
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+
+        def on_alarm(signum, frame):
+            raise RewardTimeout(f"timed out after {timeout_s:g} s")
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        t0 = time.monotonic()
+        outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer_delay > 0:  # someone else's timer (e.g. pytest-timeout): give back what is left of it
+                signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - t0), 1e-3), outer_interval)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True, name="lorarl-reward")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"timed out after {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardScores:
+    """Scores of one batch of ``N`` completions by ``K`` reward functions.
+
+    per_function: ``[N, K]`` float32, NaN where a function returned None or failed.
+    total:        ``[N]`` float32, ``sum_k w_k r_k`` over the functions with a value; NaN where none has one.
+    names:        ``K`` metric names (the function names, made unique).
+    failures:     ``{name: "error message"}`` for the functions whose call failed on this batch.
+    """
+
+    per_function: torch.Tensor
+    total: torch.Tensor
+    names: list[str]
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def means(self) -> dict[str, float]:
+        """Each function's mean over its non-NaN values (NaN if it has none)."""
+        out = {}
+        for k, name in enumerate(self.names):
+            col = self.per_function[:, k]
+            ok = ~torch.isnan(col)
+            out[name] = float(col[ok].mean()) if ok.any() else float("nan")
+        return out
+
+
+class RewardScorer:
+    """Calls the recipe's reward functions on a batch and combines them into an ``[N, K]`` matrix and a weighted
+    total. Keeps count of calls and failures (exceptions, timeouts, malformed results) across the run."""
+
+    def __init__(self, specs: list[RewardSpec], timeout_s: float | None = None):
+        if not specs:
+            raise LorarlError("rewards: at least one reward function is needed")
+        self.specs = list(specs)
+        self.names = _metric_names(self.specs)
+        self.weights = torch.tensor([float(s.weight) for s in self.specs], dtype=torch.float32)
+        self.timeout_s = timeout_s
+        self.fns: list[RewardFn] = []
+        for i, spec in enumerate(self.specs):
+            try:
+                fn = load_reward_fn(spec.name)
+            except LorarlError as e:
+                raise LorarlError(f"rewards[{i}].name: {e}") from None
+            if spec.kwargs:
+                _check_kwargs(fn, spec, i)
+                fn = functools.partial(fn, **spec.kwargs)
+            self.fns.append(fn)
+        self.calls = 0
+        self.failures = 0
+
+    @property
+    def failure_fraction(self) -> float:
+        return self.failures / self.calls if self.calls else 0.0
+
+    def check_failure_budget(self, max_fraction: float, last_failures: dict | None = None, min_calls: int = 4) -> None:
+        """Raise LorarlError once at least ``min_calls`` calls were made and more than ``max_fraction`` failed
+        (``train.max_reward_failure_fraction``); ``last_failures`` (name -> error) goes into the message."""
+        if self.calls >= min_calls and self.failure_fraction > max_fraction:
+            last = "; ".join(f"{k}: {v}" for k, v in (last_failures or {}).items()) or "see above"
+            raise LorarlError(
+                f"reward functions failed in {self.failures} of {self.calls} calls ({self.failure_fraction:.0%} > "
+                f"train.max_reward_failure_fraction={max_fraction:g}); last: {last}"
+            )
+
+    def score_rollout(self, prompts, rollout) -> RewardScores:
+        """Score the rows of a :class:`~lorarl.rollout.Rollout` whose prompts are rows of ``prompts`` (a
+        :class:`~lorarl.data.PromptSet`, indexed by ``rollout.prompt_index``), with TRL's fields: the prompts, the
+        completions (messages for conversational prompts), the extra columns and the completion token ids."""
+        idx = rollout.prompt_index
+        return self(
+            [prompts.rows[i]["prompt"] for i in idx],
+            trl_completions(rollout.completions, prompts.conversational),
+            prompts.columns(idx),
+            rollout.completion_token_lists(),
+        )
+
+    def __call__(
+        self,
+        prompts: list,
+        completions: list,
+        columns: dict[str, list] | None = None,
+        completion_ids: list[list[int]] | None = None,
+    ) -> RewardScores:
+        n = len(completions)
+        columns = dict(columns or {})
+        if completion_ids is not None:
+            columns.setdefault("completion_ids", completion_ids)
+        matrix = torch.full((n, len(self.fns)), float("nan"), dtype=torch.float32)
+        failures: dict[str, str] = {}
+        for k, (fn, name) in enumerate(zip(self.fns, self.names)):
+            self.calls += 1
+            try:
+                values = call_with_timeout(
+                    lambda fn=fn: fn(prompts=prompts, completions=completions, **columns), self.timeout_s
+                )
+                matrix[:, k] = _as_column(values, n)
+            except Exception as e:  # isolation: any failure of a user's function is recorded, never fatal here
+                self.failures += 1
+                failures[name] = f"{type(e).__name__}: {e}"
+        valid = ~torch.isnan(matrix)
+        weighted = torch.where(valid, matrix * self.weights, torch.zeros(()))
+        total = torch.where(valid.any(dim=1), weighted.sum(dim=1), torch.full((n,), float("nan")))
+        return RewardScores(per_function=matrix, total=total, names=list(self.names), failures=failures)
+
+
+def trl_completions(completions: list[str], conversational: bool) -> list:
+    """Completions as TRL gives them to reward functions: strings, or ``[{"role": "assistant", ...}]``."""
+    if conversational:
+        return [[{"role": "assistant", "content": c}] for c in completions]
+    return list(completions)
+
+
+def _check_kwargs(fn: RewardFn, spec: RewardSpec, index: int) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    builtin = spec.name in BUILTIN_REWARDS  # built-ins take **kwargs only to absorb dataset columns
+    if not builtin and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    named = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    unknown = [k for k in spec.kwargs if k not in named or k in ("prompts", "completions")]
+    if unknown:
+        raise LorarlError(f"rewards[{index}].kwargs: {spec.name} takes no argument {', '.join(unknown)}")
+
+
+def _as_column(values: Any, n: int) -> torch.Tensor:
+    """A reward function's result -> ``[N]`` float32 with NaN for None. Raises ValueError when malformed."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().tolist()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"returned {type(values).__name__}, expected a list of {n} floats")
+    if len(values) != n:
+        raise ValueError(f"returned {len(values)} values for {n} completions")
+    out = []
+    for v in values:
+        if v is None:
+            out.append(float("nan"))
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"returned a non-number {v!r}") from None
+        v = float(v)
+        if math.isinf(v):
+            raise ValueError("returned an infinite reward")
+        out.append(v)
+    return torch.tensor(out, dtype=torch.float32)

@@ -1,0 +1,142 @@
+"""Where an RL step's scores come from: rule / Python reward functions, the frozen reward adapter on the shared base,
+or both (``total = model_weight * RM score + the weighted rule rewards``). GRPO, PPO, evaluation and rejection
+sampling score rollouts through :class:`RewardSource`, so a reward model scores the same way everywhere.
+
+The reward adapter (``recipes/reward_model.yaml`` trains it) is loaded frozen, with its fp32 score head, as the
+``reward`` role of the one base: no second model in memory. Its score is read at the last token of each response
+(the EOS that ended it, found from the attention mask), where the reward model was trained to read it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lorarl.errors import LorarlError
+from lorarl.model import HEAD_FILE, SharedBase
+from lorarl.rewards.scorer import RewardScorer, RewardScores
+from lorarl.runs import find_adapter, resolve_path
+
+REWARD = "reward"
+SOURCES = ("rules", "reward_model", "both")
+
+
+def resolve_reward_adapter(path: str | os.PathLike, recipe_path: str | os.PathLike | None = None) -> Path:
+    """A reward-model run directory, a step checkpoint or the adapter folder itself -> the adapter folder (holding
+    ``adapter_config.json`` and the score head ``head.safetensors``), by :mod:`lorarl.runs`' search order."""
+    try:
+        p = resolve_path(path, recipe_path, "reward adapter")
+    except LorarlError:
+        raise LorarlError(
+            f"reward adapter {path}: no such folder (train one with `lorarl train recipes/reward_model.yaml`)"
+        ) from None
+    folder = find_adapter(p, REWARD, what="reward adapter")
+    if not (folder / HEAD_FILE).is_file():
+        raise LorarlError(f"reward adapter {folder}: no {HEAD_FILE} (the score head); is it a reward-model adapter?")
+    return folder
+
+
+def add_reward_role(shared: SharedBase, adapter: str | os.PathLike, recipe_path=None) -> Path:
+    """Load the trained reward adapter + score head as the frozen ``reward`` role (once)."""
+    folder = resolve_reward_adapter(adapter, recipe_path)
+    if not shared.has_adapter(REWARD):
+        shared.add_adapter(REWARD, init_from=folder, trainable=False, head=True)
+    return folder
+
+
+@torch.no_grad()
+def reward_model_scores(shared: SharedBase, ids: Tensor, att: Tensor, batch_size: int) -> Tensor:
+    """The reward role's score of each sequence (dropout off, read at the last non-pad token) -> ``[N]`` fp32 CPU."""
+    out = []
+    with shared.role(REWARD, train=False):
+        for s in range(0, ids.shape[0], batch_size):
+            rows_ids, rows_att = ids[s : s + batch_size].to(shared.device), att[s : s + batch_size].to(shared.device)
+            out.append(shared.scores(rows_ids, rows_att, head=REWARD).float().cpu())
+    return torch.cat(out)
+
+
+@dataclass
+class SourceScores:
+    """Scores of ``N`` responses.
+
+    total: ``[N]`` the score an RL step uses (NaN where no source has a value: every rule reward None or failed).
+    reward_model: ``[N]`` the reward adapter's scores, or None.
+    rules: the rule rewards (per function, weighted total, failures), or None.
+    """
+
+    total: Tensor
+    reward_model: Tensor | None
+    rules: RewardScores | None
+
+    def means(self) -> dict[str, float]:
+        """``reward/<function>`` means and ``rm_score`` (what the loops log beside the total)."""
+        out = {f"reward/{k}": v for k, v in (self.rules.means() if self.rules else {}).items()}
+        if self.reward_model is not None:
+            out["rm_score"] = float(self.reward_model.mean())
+        return out
+
+
+class RewardSource:
+    """Scores rollouts from ``source`` (``rules`` | ``reward_model`` | ``both``)."""
+
+    def __init__(
+        self,
+        shared: SharedBase,
+        source: str,
+        rules: list,
+        *,
+        adapter: str | None = None,
+        model_weight: float = 1.0,
+        timeout_s: float | None = None,
+        recipe_path: str | None = None,
+        batch_size: int = 32,
+        key: str = "reward.source",
+        adapter_key: str = "reward.adapter",
+    ):
+        if source not in SOURCES:
+            raise LorarlError(f"{key} must be one of {', '.join(SOURCES)}, got {source!r}")
+        self.shared, self.source, self.batch_size = shared, source, batch_size
+        self.uses_rm, self.uses_rules = source in ("reward_model", "both"), source in ("rules", "both")
+        self.model_weight = model_weight if source == "both" else 1.0
+        self.adapter: Path | None = None
+        if self.uses_rm:
+            if not adapter:
+                raise LorarlError(
+                    f"{key} is {source!r} but {adapter_key} is not set: train a reward model first (`lorarl train "
+                    f"recipes/reward_model.yaml --out runs/reward_model`) and point {adapter_key} at its run directory"
+                )
+            self.adapter = add_reward_role(shared, adapter, recipe_path)
+        self.rules = RewardScorer(rules, timeout_s=timeout_s) if self.uses_rules else None
+
+    def score_rollout(self, prompts, rollout) -> SourceScores:
+        """Score a rollout whose rows answer rows ``rollout.prompt_index`` of ``prompts`` (a PromptSet)."""
+        rm = None
+        total = torch.zeros(len(rollout))
+        if self.uses_rm:
+            rm = reward_model_scores(self.shared, rollout.input_ids, rollout.attention_mask, self.batch_size)  # [N]
+            total = total + self.model_weight * rm
+        rules = None
+        if self.uses_rules:
+            rules = self.rules.score_rollout(prompts, rollout)
+            # rules alone: NaN stays NaN (the caller decides); with a reward model every row has a score
+            total = rules.total if rm is None else total + torch.nan_to_num(rules.total, nan=0.0)
+        return SourceScores(total=total, reward_model=rm, rules=rules)
+
+    @property
+    def calls(self) -> int:
+        return self.rules.calls if self.rules else 0
+
+    @property
+    def failures(self) -> int:
+        return self.rules.failures if self.rules else 0
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls, "failures": self.failures}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.rules is not None:
+            self.rules.calls, self.rules.failures = int(state["calls"]), int(state["failures"])
