@@ -22,32 +22,13 @@ from lorarl.config import Recipe
 from lorarl.data import load_prompts
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
-from lorarl.rewards.source import RewardSource
+from lorarl.rewards.source import RewardSource, reward_source
 from lorarl.rollout import generate_rollout
 from lorarl.runs import find_adapter
 from lorarl.tasks import accuracy
 
 POLICY = "policy"
 EVAL_ROLE = "eval_policy"  # the adapter under evaluation, loaded frozen beside the others
-
-
-def reward_source(recipe: Recipe, shared: SharedBase) -> RewardSource:
-    """The recipe's reward source (rule rewards, the reward adapter, or both), as its training step uses it."""
-    if recipe.algo == "ppo":
-        cfg = recipe.ppo
-        return RewardSource(
-            shared,
-            cfg.reward_source,
-            recipe.rewards,
-            adapter=cfg.reward_adapter,
-            model_weight=cfg.reward_model_weight,
-            timeout_s=recipe.train.reward_timeout_s or None,
-            recipe_path=recipe.source_path,
-            batch_size=recipe.eval.batch_size,
-            key="ppo.reward_source",
-        adapter_key="ppo.reward_adapter",
-        )
-    return RewardSource(shared, "rules", recipe.rewards, timeout_s=recipe.train.reward_timeout_s or None)
 
 
 def checkpoint_adapter(recipe: Recipe, checkpoint: str) -> Path | None:

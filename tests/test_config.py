@@ -37,8 +37,17 @@ def _write(tmp_path, text, name="r.yaml"):
         ("model:\n  quantization: int8\n", "model.quantization", "must be one of"),
         ("lora:\n  r: 0\n", "lora.r", "must be >= 1"),
         ("generation:\n  temperature: 0\n", "generation.temperature", "must be > 0"),
-        ("ppo:\n  critic_lora:\n    rr: 3\n", "ppo.critic_lora.rr", "did you mean ppo.critic_lora.r"),
-        ("rewards:\n  - nam: x\n", "rewards[0].nam", "did you mean"),
+        (
+            "algo: ppo\nppo:\n  critic:\n    lora:\n      rr: 3\n",
+            "ppo.critic.lora.rr",
+            "did you mean ppo.critic.lora.r",
+        ),
+        ("reward:\n  functions:\n    - nam: x\n", "reward.functions[0].nam", "did you mean"),
+        ("generation:\n  top_p: 0.9\n", "generation.top_p", "must be 1.0 for training"),
+        ("generation:\n  top_k: 20\n", "generation.top_k", "must be 0 for training"),
+        ("ppo:\n  epochs: 2\n", "section ppo", "does not apply to algo grpo"),
+        ("algo: reward_model\ngeneration:\n  max_new_tokens: 4\n", "section generation", "does not apply"),
+        ("grpo:\n  kl_coef: 0.1\n  kl:\n    coef: 0.2\n", "grpo.kl_coef and grpo.kl.coef", "keep only grpo.kl.coef"),
         ("algo: dpo\n", "algo", "must be one of"),
     ],
 )
@@ -60,11 +69,11 @@ def test_unreadable_yaml_and_missing_file(tmp_path):
 
 
 def test_overrides_apply_before_validation_and_types_convert(tmp_path):
-    path = _write(tmp_path, "train:\n  steps: 3\ngrpo:\n  kl_coef: 0\n")
+    path = _write(tmp_path, "train:\n  steps: 3\ngrpo:\n  kl:\n    coef: 0\n")
     r = load_recipe(
-        path, ["train.steps=7", "grpo.kl_coef=0.04", "lora.target_modules=[q_proj, v_proj]", "model.init_adapter=null"]
+        path, ["train.steps=7", "grpo.kl.coef=0.04", "lora.target_modules=[q_proj, v_proj]", "model.init_adapter=null"]
     )
-    assert r.train.steps == 7 and r.grpo.kl_coef == 0.04 and isinstance(r.grpo.kl_coef, float)
+    assert r.train.steps == 7 and r.grpo.kl.coef == 0.04 and isinstance(r.grpo.kl.coef, float)
     assert r.lora.target_modules == ["q_proj", "v_proj"]
     assert r.model.init_adapter is None
     with pytest.raises(RecipeError, match="grpo.group_size must be >= 2"):
@@ -77,7 +86,7 @@ def test_overrides_apply_before_validation_and_types_convert(tmp_path):
 
 
 def test_roundtrip_of_resolved_recipe():
-    r = recipe_from_dict({"grpo": {"group_size": 4}, "rewards": [{"name": "numeric_match", "weight": 2}]})
+    r = recipe_from_dict({"grpo": {"group_size": 4}, "reward": {"functions": [{"name": "numeric_match", "weight": 2}]}})
     again = recipe_from_dict(recipe_to_dict(r))
     assert again == r
     assert recipe_to_dict(Recipe())["grpo"]["group_size"] == 8
@@ -139,3 +148,35 @@ def test_shipped_recipes_load_and_validate(name):
     recipe = load_recipe(path)
     assert recipe.algo == name.split(".")[0].replace("_arithmetic", "")
     assert recipe.model.name == "smollm2-135m"
+
+
+def test_old_recipes_keep_loading_under_the_new_names(tmp_path, capsys):
+    from lorarl.config import load_recipe
+
+    old = _write(
+        tmp_path,
+        "algo: ppo\nrewards:\n  - name: numeric_match\nppo:\n  reward_source: both\n  reward_adapter: rm\n"
+        "  kl_coef: 0.2\n  critic_lora: {r: 4}\n  value_loss: huber\n  ptx_batch_size: 2\n"
+        "data:\n  operations: ['-']\n  digits: 3\n",
+    )
+    r = load_recipe(old, ["ppo.vf_coef=0.3"])
+    assert r.reward.source == "both" and r.reward.adapter == "rm" and r.reward.functions[0].name == "numeric_match"
+    assert r.ppo.kl.coef == 0.2 and r.ppo.critic.lora.r == 4 and r.ppo.critic.loss == "huber"
+    assert r.ppo.critic.vf_coef == 0.3 and r.ppo.ptx.batch_size == 2  # an old-style override too
+    assert r.data.arithmetic.operations == ["-"] and r.data.arithmetic.digits == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ppo.kl_coef -> ppo.kl.coef" in err[0] and "ppo.vf_coef -> ppo.critic.vf_coef" in err[0]
+
+
+def test_a_recipe_saves_only_its_algorithms_sections():
+    from lorarl.config import recipe_to_dict
+
+    d = recipe_to_dict(recipe_from_dict({"algo": "reward_model"}))
+    assert "reward_model" in d and not {"grpo", "ppo", "generation", "reward"} & set(d)
+    d = recipe_to_dict(recipe_from_dict({"algo": "grpo"}))
+    assert "grpo" in d and "reward" in d and not {"ppo", "reward_model"} & set(d)
+    # a run's saved recipe from an older version (every section) still loads, the foreign ones dropped
+    from lorarl.config import load_run_recipe
+
+    assert recipe_from_dict({"algo": "grpo", "ppo": {"epochs": 3}}, strict=False).ppo is None
+    assert load_run_recipe is not None

@@ -80,7 +80,7 @@ def tiny_recipe(model_dir, reward_file, **sections):
         "model": {"name": str(model_dir), "quantization": "none", "dtype": "float32", "gradient_checkpointing": False},
         "lora": {"r": 8, "alpha": 16},
         "data": {"train_size": 64, "eval_size": 8},
-        "rewards": [{"name": f"{reward_file}:in_target", "kwargs": {"model_dir": str(model_dir)}}],
+        "reward": {"functions": [{"name": f"{reward_file}:in_target", "kwargs": {"model_dir": str(model_dir)}}]},
         "generation": {"max_new_tokens": 4, "temperature": 1.0},
         "train": {"steps": 3, "prompts_per_step": 2, "micro_batch_size": 8, "learning_rate": 1e-2, "seed": 0},
         "grpo": {"group_size": 4},
@@ -136,7 +136,7 @@ def test_tiny_grpo_learns_and_writes_the_run_directory(peaky_model_dir, reward_f
         "peak_mem_gb",
     }
     assert need <= set(rows[0])
-    assert rows[0]["kl"] is None  # kl_coef = 0: the reference never ran
+    assert rows[0]["kl"] is None  # grpo.kl.coef = 0: the reference never ran
     assert rows[0]["accuracy"] == 0.0  # arithmetic rows have answers; the random model never gets one right
     assert all(r["completion_len"] <= 3 for r in rows)
     # the run directory
@@ -172,7 +172,9 @@ def test_resume_continues_bit_identically(peaky_model_dir, reward_file, tmp_path
 
 
 def test_failing_reward_stops_the_run_with_a_clear_message(peaky_model_dir, reward_file, tmp_path):
-    recipe = tiny_recipe(peaky_model_dir, reward_file, rewards=[{"name": f"{reward_file}:boom"}], train={"steps": 10})
+    recipe = tiny_recipe(
+        peaky_model_dir, reward_file, reward={"functions": [{"name": f"{reward_file}:boom"}]}, train={"steps": 10}
+    )
     with pytest.raises(LorarlError, match=r"failed in 4 of 4 calls .*reward service down"):
         train(recipe, tmp_path / "run")
     assert len(read_metrics(tmp_path / "run")) == 3  # steps 1-3 ran (and were logged) before the stop
@@ -182,11 +184,14 @@ def test_occasional_reward_failures_are_isolated_and_counted(peaky_model_dir, re
     recipe = tiny_recipe(
         peaky_model_dir,
         reward_file,
-        rewards=[
-            {"name": f"{reward_file}:in_target", "kwargs": {"model_dir": str(peaky_model_dir)}},
-            {"name": f"{reward_file}:flaky"},
-        ],
-        train={"steps": 4, "max_reward_failure_fraction": 0.5},
+        reward={
+            "functions": [
+                {"name": f"{reward_file}:in_target", "kwargs": {"model_dir": str(peaky_model_dir)}},
+                {"name": f"{reward_file}:flaky"},
+            ],
+            "max_failure_fraction": 0.5,
+        },
+        train={"steps": 4},
     )
     train(recipe, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
@@ -213,7 +218,7 @@ def _kl_run(peaky_model_dir, reward_file, tmp_path, name, **grpo_cfg):
         peaky_model_dir,
         reward_file,
         train={"steps": 3, "learning_rate": 5e-2},
-        grpo={"group_size": 4, "kl_coef": 0.1, **grpo_cfg},
+        grpo={"group_size": 4, "kl": {"coef": 0.1, **grpo_cfg}},
     )
     train(recipe, tmp_path / name)
     return [r["kl"] for r in read_metrics(tmp_path / name)]
@@ -223,7 +228,7 @@ def test_kl_to_bare_base_and_iterative_reference_refresh(peaky_model_dir, reward
     plain = _kl_run(peaky_model_dir, reward_file, tmp_path, "plain")
     assert plain[0] == pytest.approx(0.0, abs=1e-6)  # fresh LoRA (B = 0) == the base
     assert plain[2] > 1e-5  # the policy moved away from the reference
-    refreshed = _kl_run(peaky_model_dir, reward_file, tmp_path, "iter", ref_refresh_every=1, kl_estimator="k3_unbiased")
+    refreshed = _kl_run(peaky_model_dir, reward_file, tmp_path, "iter", ref_refresh_every=1, estimator="k3_unbiased")
     # refreshed after every step: at each step's start the reference IS the current policy
     assert all(k == pytest.approx(0.0, abs=1e-6) for k in refreshed)
 
@@ -241,7 +246,7 @@ def test_init_adapter_is_the_policy_start_and_the_frozen_reference(peaky_model_d
     init = [p.detach().clone() for p in sb.adapter_parameters("sft")]
 
     recipe = tiny_recipe(
-        peaky_model_dir, reward_file, model={"init_adapter": str(tmp_path / "sft")}, grpo={"kl_coef": 0.1}
+        peaky_model_dir, reward_file, model={"init_adapter": str(tmp_path / "sft")}, grpo={"kl": {"coef": 0.1}}
     )
     fresh = SharedBase.load(recipe.model)
     assert setup_roles(fresh, recipe) is True
@@ -283,7 +288,9 @@ def test_finding_the_policy_adapter_of_a_checkpoint_argument(tmp_path, peaky_mod
     (tmp_path / "checkpoints" / "step-000006" / "policy").mkdir(parents=True)  # half-written: no COMPLETE
     assert find_adapter(str(tmp_path)) == tmp_path / "checkpoints" / "step-000004" / "policy"
     # the recipe's start adapter is the `base` of a run that began from one
-    assert checkpoint_adapter(tiny_recipe(peaky_model_dir, reward_file, model={"init_adapter": "x"}), "base").name == "x"
+    assert (
+        checkpoint_adapter(tiny_recipe(peaky_model_dir, reward_file, model={"init_adapter": "x"}), "base").name == "x"
+    )
 
 
 @pytest.mark.slow

@@ -28,25 +28,22 @@ def toy_recipe(tiny_model_dir, tmp_path, **ppo_overrides) -> dict:
     reward_file = tmp_path / "toy_reward.py"
     reward_file.write_text(TOY_REWARD)
     cfg = {
-        "reward_source": "rules",
         "epochs": 2,
         "minibatch_size": 8,
-        "kl_coef": 0.01,
-        "adaptive_kl": True,
-        "kl_target": 0.5,
-        "kl_horizon": 100,
-        "vf_coef": 1.0,
-        "value_clip": None,
-        "critic_learning_rate": 5e-3,
-        "critic_lora": {"r": 8, "alpha": 16.0},
+        "kl": {"coef": 0.01, "adaptive": True, "target": 0.5, "horizon": 100},
+        "critic": {"vf_coef": 1.0, "value_clip": None, "learning_rate": 5e-3, "lora": {"r": 8, "alpha": 16.0}},
     }
-    cfg.update(ppo_overrides)
+    reward = {"source": "rules", "functions": [{"name": f"{reward_file}:newlines"}]}
+    for key, value in ppo_overrides.items():  # "reward.source" or "critic.init": a sub-section's key
+        section, _, name = key.rpartition("__")
+        target = reward if section == "reward" else (cfg.setdefault(section, {}) if section else cfg)
+        target[name] = value
     return {
         "algo": "ppo",
         "model": {"name": str(tiny_model_dir), "quantization": "none", "dtype": "float32"},
         "lora": {"r": 8, "alpha": 16.0},
         "data": {"source": "arithmetic", "train_size": 64, "eval_size": 8},
-        "rewards": [{"name": f"{reward_file}:newlines"}],
+        "reward": reward,
         # the tiny random model's logits are nearly flat; at temperature 0.1 token 198 is sampled now and then
         "generation": {"max_new_tokens": 6, "temperature": 0.1},
         "ppo": cfg,
@@ -150,17 +147,17 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
     d = toy_recipe(
         tiny_model_dir,
         tmp_path,
-        reward_source="both",
-        reward_adapter=str(rm_run),
-        critic_init="reward",
-        reward_normalize=True,
-        reward_clip=3.0,
-        no_eos_penalty=-1.0,
-        ptx_coef=0.5,
-        ptx_source=str(tmp_path / "ptx.jsonl"),
+        reward__source="both",
+        reward__adapter=str(rm_run),
+        critic__init="reward",
+        score__normalize=True,
+        score__clip=3.0,
+        score__no_eos_penalty=-1.0,
+        ptx__coef=0.5,
+        ptx__source=str(tmp_path / "ptx.jsonl"),
         epochs=1,
         minibatch_size=4,
-        value_clip=0.2,
+        critic__value_clip=0.2,
     )
     d["train"].update(steps=2, prompts_per_step=8, micro_batch_size=2, save_every=1)
     d["model"]["init_adapter"] = str(init)  # the policy starts from it; the reference is that adapter, frozen
@@ -248,8 +245,8 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
 def test_ppo_needs_a_reward_adapter(tiny_model_dir, tmp_path):
     from lorarl.errors import LorarlError
 
-    d = toy_recipe(tiny_model_dir, tmp_path, reward_source="reward_model")
-    with pytest.raises(LorarlError, match="reward_adapter"):
+    d = toy_recipe(tiny_model_dir, tmp_path, reward__source="reward_model")
+    with pytest.raises(LorarlError, match="reward.adapter is not set"):
         train(recipe_from_dict(d), tmp_path / "run")
 
 

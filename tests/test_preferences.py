@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lorarl.data.preferences import encode_pair, load_preferences, normalize_pair, resolve_source
-from lorarl.model.tokens import pad_right
 from lorarl.errors import DataError
+from lorarl.model.tokens import pad_right
 
 REPO = Path(__file__).resolve().parents[1]
 U = {"role": "user", "content": "What is 2 + 2?"}

@@ -31,12 +31,13 @@ algo: grpo
 model: {{name: "{model_dir}", quantization: none, dtype: float32}}
 lora: {{r: 4, alpha: 8}}
 data: {{source: arithmetic, train_size: 64, eval_size: 8}}
-rewards:
-  - name: "{tmp_path / "rewards_longer.py"}:longer"
+reward:
+  functions:
+    - name: "{tmp_path / "rewards_longer.py"}:longer"
 generation: {{max_new_tokens: 8}}
 train: {{steps: 6, prompts_per_step: 2, micro_batch_size: 3, learning_rate: 1e-2, lr_scheduler: cosine,
          warmup_steps: 1, save_every: 2, keep_last: 2, seed: 3}}
-grpo: {{group_size: 4, num_iterations: 2, kl_coef: 0.05}}
+grpo: {{group_size: 4, num_iterations: 2, kl: {{coef: 0.05}}}}
 """
     path = tmp_path / "recipe.yaml"
     path.write_text(text)

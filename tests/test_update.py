@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorarl.algos.grpo import grpo_loss
-from lorarl.config import GenerationConfig, GRPOConfig, LoraSettings
+from lorarl.config import GenerationConfig, GRPOConfig, GRPOKLConfig, LoraSettings
 from lorarl.core.schedules import make_scheduler
 from lorarl.rollout import generate_rollout
 from lorarl.update import micro_batches, optimizer_step
@@ -130,8 +130,7 @@ def test_micro_batch_gradients_equal_full_batch(grpo_setup, reduction, estimator
     sb, r, adv = grpo_setup
     cfg = GRPOConfig(
         loss_reduction=reduction,
-        kl_coef=0.1,
-        kl_estimator=estimator,
+        kl=GRPOKLConfig(coef=0.1, estimator=estimator),
         entropy_coef=0.01,
         clip_eps_low=0.2,
         clip_eps_high=0.28,
@@ -149,7 +148,7 @@ def test_seq_mean_reduction_matches_hand_formula(grpo_setup):
     """The GRPO loss value for ratio = 1 (old = current), no KL / entropy: -(1/N) sum_i (1/|o_i|) sum_t A_i."""
     sb, r, adv = grpo_setup
     r.old_logprobs = None  # num_iterations == 1: the detached current log-probs are the old ones
-    cfg = GRPOConfig(loss_reduction="seq_mean_token_mean", kl_coef=0.0)
+    cfg = GRPOConfig(loss_reduction="seq_mean_token_mean", kl=GRPOKLConfig(coef=0.0))
     loss, stats = _setup_loss(sb, r, adv, cfg, torch.arange(8), use_reference=False)
     assert float(loss) == pytest.approx(-float(adv.mean()), abs=1e-6)  # each row's token mean of -A_i is -A_i
     assert stats["clip_frac_low"][0] == 0 and stats["clip_frac_high"][0] == 0
@@ -159,7 +158,7 @@ def test_seq_mean_reduction_matches_hand_formula(grpo_setup):
 def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(grpo_setup):
     """The loop skips rows with A = 0 when there is no KL / entropy term; the normaliser still counts them."""
     sb, r, adv = grpo_setup
-    cfg = GRPOConfig(loss_reduction="token_mean", kl_coef=0.0)
+    cfg = GRPOConfig(loss_reduction="token_mean", kl=GRPOKLConfig(coef=0.0))
 
     def grads(rows):
         params = sb.trainable_parameters("policy")
@@ -179,7 +178,7 @@ def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(grpo_setup):
 
 def test_optimizer_step_equals_one_full_batch_step(grpo_setup):
     sb, r, adv = grpo_setup
-    cfg = GRPOConfig(loss_reduction="seq_mean_token_mean", kl_coef=0.05)
+    cfg = GRPOConfig(loss_reduction="seq_mean_token_mean", kl=GRPOKLConfig(coef=0.05))
     params = sb.trainable_parameters("policy")
     start = [p.detach().clone() for p in params]
 

@@ -40,7 +40,7 @@ from lorarl.core.advantages import group_advantages
 from lorarl.core.losses import kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
 from lorarl.metrics import PLOT_PANELS
 from lorarl.model import REFERENCE, SharedBase, completion_logprobs
-from lorarl.rewards import RewardScorer
+from lorarl.rewards.source import reward_source
 from lorarl.rollout import Rollout, generate_rollout
 from lorarl.tasks import accuracy
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step_halving
@@ -70,14 +70,16 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> bool:
         shared.add_adapter(POLICY, init_from=init, trainable=True)
     else:
         shared.add_adapter(POLICY, recipe.lora)
-    if cfg.kl_coef <= 0:
-        if cfg.ref_refresh_every > 0:
-            print("grpo.ref_refresh_every has no effect with grpo.kl_coef = 0 (no reference is used)", file=sys.stderr)
+    if cfg.kl.coef <= 0:
+        if cfg.kl.ref_refresh_every > 0:
+            print(
+                "grpo.kl.ref_refresh_every has no effect with grpo.kl.coef = 0 (no reference is used)", file=sys.stderr
+            )
         return False
     if init:
         shared.add_adapter(REFERENCE, init_from=init, trainable=False)
         return True
-    if cfg.ref_refresh_every > 0:
+    if cfg.kl.ref_refresh_every > 0:
         shared.add_adapter(REFERENCE, recipe.lora, trainable=False)
         shared.copy_adapter(POLICY, REFERENCE)
         return True
@@ -121,11 +123,11 @@ def grpo_loss(
     stats["entropy"] = (float(ent.detach()[mask].sum()), n_tok)
     if use_reference:
         ref = mb.ref_logprobs.to(shared.device)  # [B, T]
-        if cfg.kl_estimator == "k3_unbiased":
+        if cfg.kl.estimator == "k3_unbiased":
             kl = kl_k3_importance_weighted(logprobs, ref, old)  # [B, T] DeepSeek-V3.2
         else:
             kl = kl_k3(logprobs, ref)  # [B, T]
-        per_token = per_token + cfg.kl_coef * kl
+        per_token = per_token + cfg.kl.coef * kl
         stats["kl"] = (float(kl.detach()[mask].sum()), n_tok)
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * ent
@@ -147,11 +149,13 @@ class GRPO:
         cfg, tcfg = recipe.grpo, recipe.train
         has_ref_adapter = setup_roles(shared, recipe)
         self.has_ref_adapter = has_ref_adapter
-        self.reference = REFERENCE if cfg.kl_coef > 0 else None  # None: the reference never runs
+        self.reference = REFERENCE if cfg.kl.coef > 0 else None  # None: the reference never runs
         self.roles = [POLICY] + ([REFERENCE] if has_ref_adapter else [])
         self.planned_mbs = planned_micro_batch(recipe, shared.device.type)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
-        self.scorer = RewardScorer(recipe.rewards, timeout_s=tcfg.reward_timeout_s or None)
+        self.source = reward_source(
+            recipe, shared, micro_batch_rows(recipe.eval.batch_size, tcfg.prompts_per_step * cfg.group_size)
+        )
         self.total_steps = self.last_step = tcfg.steps
         self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps * cfg.num_iterations)
         self.optimizers = {POLICY: self.policy.optimizer}
@@ -187,14 +191,16 @@ class GRPO:
         N = len(rollout)
         t_gen = time.perf_counter()
 
-        # 3. Rewards: each function once on the batch; failures isolated (NaN) and counted ---------------------
-        scores = self.scorer.score_rollout(self.prompts, rollout)
-        for name, err in scores.failures.items():
-            tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
-        self.scorer.check_failure_budget(tcfg.max_reward_failure_fraction, scores.failures)
+        # 3. Rewards: rule functions (each once on the batch; failures isolated as NaN and counted) and/or the
+        #    frozen reward adapter's score at each response's last token -------------------------------------
+        scored = self.source.score_rollout(self.prompts, rollout)
+        if scored.rules is not None:
+            for name, err in scored.rules.failures.items():
+                tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
+            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
 
         # 4. Group-relative advantages [N] (NaN rewards left out of their group's statistics) ------------------
-        adv = group_advantages(scores.total, G, cfg.std_scaling, unbiased_std=cfg.unbiased_std)
+        adv = group_advantages(scored.total, G, cfg.std_scaling, unbiased_std=cfg.unbiased_std)
         advantages = adv.advantages  # [N]
 
         # 5. The loss on a micro-batch, as its share of the full-batch loss -----------------------------------
@@ -204,7 +210,7 @@ class GRPO:
         total_tokens = int(loss_mask.sum())
         # Rows whose loss is 0 with a 0 gradient need no forward pass: zero advantage and no KL / entropy
         # term. They still count in the normaliser (total_sequences, total_tokens), so the update is exact.
-        needs_all_rows = cfg.kl_coef > 0 or cfg.entropy_coef > 0
+        needs_all_rows = cfg.kl.coef > 0 or cfg.entropy_coef > 0
         active = loss_mask.any(dim=1) & (needs_all_rows | (advantages != 0))
         rows = active.nonzero().squeeze(1)  # [n_active]
         loss_fn = functools.partial(
@@ -251,16 +257,16 @@ class GRPO:
         t_end = time.perf_counter()
 
         # 7. Iterative GRPO: refresh the reference adapter to the current policy ---------------------------------
-        if self.has_ref_adapter and cfg.ref_refresh_every > 0 and step % cfg.ref_refresh_every == 0:
+        if self.has_ref_adapter and cfg.kl.ref_refresh_every > 0 and step % cfg.kl.ref_refresh_every == 0:
             shared.copy_adapter(POLICY, REFERENCE)
 
         # 8. Metrics -------------------------------------------------------------------------------------------
         lengths = rollout.lengths.float()
-        valid = ~torch.isnan(scores.total)
+        valid = ~torch.isnan(scored.total)
         return {
-            "reward_mean": float(torch.nanmean(scores.total)) if valid.any() else float("nan"),
+            "reward_mean": float(torch.nanmean(scored.total)) if valid.any() else float("nan"),
             "reward_std": float(adv.group_std.mean()),
-            **{f"reward/{k}": v for k, v in scores.means().items()},
+            **scored.means(),
             "accuracy": accuracy(self.recipe, rollout.completions, self.prompts.columns(rollout.prompt_index)),
             "zero_std_frac": float(adv.zero_std.float().mean()),
             "completion_len": float(lengths.mean()),
@@ -274,7 +280,7 @@ class GRPO:
             "grad_norm": update_stats.get("grad_norm"),
             "lr": update_stats.get("lr", self.policy.scheduler.get_last_lr()[0]),
             "trained_rows": int(len(rows)),
-            "reward_failures": self.scorer.failures,
+            "reward_failures": self.source.failures,
             "skipped_updates": self.guard.skipped,
             "gen_time": t_gen - t0,
             "update_time": t_end - t_upd0,
@@ -292,14 +298,13 @@ class GRPO:
     def state_dict(self) -> dict:
         return {
             "guard": self.guard.state_dict(),
-            "reward_calls": self.scorer.calls,
-            "reward_failures": self.scorer.failures,
+            "rewards": self.source.state_dict(),
             "micro_batch_cap": self.micro_batch_cap,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.guard.load_state_dict(state["guard"])
-        self.scorer.calls, self.scorer.failures = int(state["reward_calls"]), int(state["reward_failures"])
+        self.source.load_state_dict(state["rewards"])
         self.micro_batch_cap = state["micro_batch_cap"]
 
     def finish(self, run_dir, history: list[dict]) -> dict:
@@ -310,7 +315,7 @@ class GRPO:
             "reward_mean_last10": tail_mean(history, "reward_mean"),
             "accuracy_last10": tail_mean(history, "accuracy"),
             "skipped_updates": self.guard.skipped,
-            "reward_failures": self.scorer.failures,
+            "reward_failures": self.source.failures,
             "data_rows": len(self.prompts),
             "data_skipped_rows": len(self.prompts.skipped),
         }

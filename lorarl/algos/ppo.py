@@ -57,7 +57,7 @@ from lorarl.core.ops import masked_mean, masked_whiten
 from lorarl.core.stats import RunningMoments, explained_variance, finite_mean
 from lorarl.errors import LorarlError
 from lorarl.model import REFERENCE, SharedBase
-from lorarl.rewards.source import RewardSource, resolve_reward_adapter
+from lorarl.rewards.source import RewardSource, resolve_reward_adapter, reward_source
 from lorarl.rollout import generate_rollout
 from lorarl.tasks import accuracy
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step_halving
@@ -103,25 +103,14 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> RewardSource:
         shared.add_adapter(REFERENCE, init_from=init, trainable=False)
     else:
         shared.add_adapter(POLICY, recipe.lora)
-    source = RewardSource(
-        shared,
-        cfg.reward_source,
-        recipe.rewards,
-        adapter=cfg.reward_adapter,
-        model_weight=cfg.reward_model_weight,
-        timeout_s=recipe.train.reward_timeout_s or None,
-        recipe_path=recipe.source_path,
-        batch_size=micro_batch_rows(recipe.eval.batch_size, recipe.train.prompts_per_step),
-        key="ppo.reward_source",
-        adapter_key="ppo.reward_adapter",
-    )
-    if cfg.critic_init == "reward":
-        if not cfg.reward_adapter:
-            raise LorarlError("ppo.critic_init is 'reward' but ppo.reward_adapter is not set")
-        folder = resolve_reward_adapter(cfg.reward_adapter, recipe.source_path)
+    source = reward_source(recipe, shared, micro_batch_rows(recipe.eval.batch_size, recipe.train.prompts_per_step))
+    if cfg.critic.init == "reward":
+        if not recipe.reward.adapter:
+            raise LorarlError("ppo.critic.init is 'reward' but reward.adapter is not set")
+        folder = resolve_reward_adapter(recipe.reward.adapter, recipe.source_path)
         shared.add_adapter(CRITIC, init_from=folder, trainable=True, head=True)
     else:
-        shared.add_adapter(CRITIC, cfg.critic_lora, head=True)
+        shared.add_adapter(CRITIC, cfg.critic.lora, head=True)
     return source
 
 
@@ -137,19 +126,19 @@ class PPO:
         cfg, tcfg = recipe.ppo, recipe.train
         self.source = setup_roles(shared, recipe)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
-        self.ptx = load_ptx_texts(cfg.ptx_source, shared.tokenizer, recipe.source_path) if cfg.ptx_coef > 0 else None
-        self.need_ref = cfg.kl_coef > 0  # beta = 0 and fixed: the reference never runs
+        self.ptx = load_ptx_texts(cfg.ptx.source, shared.tokenizer, recipe.source_path) if cfg.ptx.coef > 0 else None
+        self.need_ref = cfg.kl.coef > 0  # beta = 0 and fixed: the reference never runs
         self.roles = [POLICY, CRITIC]
         N = tcfg.prompts_per_step
         updates = tcfg.steps * cfg.epochs * math.ceil(N / cfg.minibatch_size)  # what the LR schedules span
         self.policy = trained_role(shared, POLICY, tcfg, updates)
-        self.critic = trained_role(shared, CRITIC, tcfg, updates, lr=cfg.critic_learning_rate)
+        self.critic = trained_role(shared, CRITIC, tcfg, updates, lr=cfg.critic.learning_rate)
         self.optimizers = {POLICY: self.policy.optimizer, CRITIC: self.critic.optimizer}
         self.schedulers = {POLICY: self.policy.scheduler, CRITIC: self.critic.scheduler}
         self.kl_ctl = (
-            AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-            if cfg.adaptive_kl
-            else FixedKLController(cfg.kl_coef)
+            AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+            if cfg.kl.adaptive
+            else FixedKLController(cfg.kl.coef)
         )
         self.reward_stats = RunningMoments()
         self.mbs = micro_batch_rows(
@@ -167,7 +156,7 @@ class PPO:
         """One PPO step on ``batch``; returns its metrics."""
         from tqdm.auto import tqdm
 
-        shared, cfg, gen, tcfg = self.shared, self.recipe.ppo, self.recipe.generation, self.recipe.train
+        shared, cfg, gen = self.shared, self.recipe.ppo, self.recipe.generation
         step, t0 = batch.step, time.perf_counter()
 
         # ===== Phase 1. Rollout: sample with the policy; old and reference log-probs ===========================
@@ -191,16 +180,16 @@ class PPO:
         if scored.rules is not None:
             for name, err in scored.rules.failures.items():
                 tqdm.write(f"step {step}: reward {name} failed ({err}); counted as 0")
-            self.source.rules.check_failure_budget(tcfg.max_reward_failure_fraction, scored.rules.failures)
+            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
         score = torch.nan_to_num(scored.total, nan=0.0)  # [N]
         raw_score = score.clone()  # [N] what eval reports as reward_mean
-        if cfg.reward_normalize:
+        if cfg.score.normalize:
             self.reward_stats.update(score)
             score = self.reward_stats.normalize(score)
-        if cfg.reward_clip is not None:
-            score = score.clamp(-cfg.reward_clip, cfg.reward_clip)
-        if cfg.no_eos_penalty is not None:
-            score = torch.where(rollout.truncated, torch.full_like(score, cfg.no_eos_penalty), score)
+        if cfg.score.clip is not None:
+            score = score.clamp(-cfg.score.clip, cfg.score.clip)
+        if cfg.score.no_eos_penalty is not None:
+            score = torch.where(rollout.truncated, torch.full_like(score, cfg.score.no_eos_penalty), score)
         beta = self.kl_ctl.value
         rewards, kl = kl_shaped_rewards(score, old_logprobs, ref_logprobs, mask, beta)  # [N, T] each
 
@@ -267,8 +256,8 @@ class PPO:
                 denom = (len(mb_rows), max(float(mask[mb_rows].sum()), 1.0))  # the minibatch's sequences, tokens
                 ptx_item = None
                 if self.ptx is not None:
-                    first = (minibatches_done * cfg.ptx_batch_size) % len(self.ptx)
-                    ptx_item = ("ptx", [(first + k) % len(self.ptx) for k in range(cfg.ptx_batch_size)], None)
+                    first = (minibatches_done * cfg.ptx.batch_size) % len(self.ptx)
+                    ptx_item = ("ptx", [(first + k) % len(self.ptx) for k in range(cfg.ptx.batch_size)], None)
 
                 def rl_items(size, mb_rows=mb_rows, denom=denom):
                     return [("rl", mb_rows[sl], denom) for sl in micro_batches(len(mb_rows), size)]

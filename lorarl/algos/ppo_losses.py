@@ -22,9 +22,9 @@ POLICY, CRITIC = "policy", "critic"
 
 def load_ptx_texts(source: str, tokenizer, recipe_path: str | None, max_tokens: int = 256) -> list[list[int]]:
     """Token ids of the ``text`` column of a .jsonl file (the InstructGPT pretraining-loss set), truncated."""
-    path = resolve_path(source, recipe_path, "ppo.ptx_source")
+    path = resolve_path(source, recipe_path, "ppo.ptx.source")
     if not path.is_file():
-        raise DataError(f"ppo.ptx_source {source}: not a file")
+        raise DataError(f"ppo.ptx.source {source}: not a file")
     out = []
     for i, row in enumerate(read_jsonl(path)):
         text = row.get("text")
@@ -34,7 +34,7 @@ def load_ptx_texts(source: str, tokenizer, recipe_path: str | None, max_tokens: 
         if len(ids) >= 2:
             out.append(ids)
     if not out:
-        raise DataError(f"{path}: no usable rows in ppo.ptx_source")
+        raise DataError(f"{path}: no usable rows in ppo.ptx.source")
     return out
 
 
@@ -81,7 +81,7 @@ def policy_loss(shared: SharedBase, cfg, temperature: float, batch: PPOBatch, pt
     kind, rows, denom = item
     if kind == "ptx":
         nll = ptx_loss(shared, ptx, rows)
-        return cfg.ptx_coef * nll, {"ptx_loss": (float(nll.detach()), 1.0)}
+        return cfg.ptx.coef * nll, {"ptx_loss": (float(nll.detach()), 1.0)}
     mb = batch.rollout.select(rows)
     m = batch.mask[rows].to(shared.device)  # [b, T]
     with shared.role(POLICY, train=True):
@@ -125,12 +125,12 @@ def critic_loss(shared: SharedBase, cfg, batch: PPOBatch, item: Item):
         batch.values[rows].to(shared.device),
         batch.returns[rows].to(shared.device),
         m,
-        cfg.value_clip,
-        cfg.value_loss,
-        cfg.huber_delta,
+        cfg.critic.value_clip,
+        cfg.critic.loss,
+        cfg.critic.huber_delta,
     )  # [b, T]
     T = m.shape[1]
-    loss = cfg.vf_coef * reduce_loss(
+    loss = cfg.critic.vf_coef * reduce_loss(
         per_token, m, "token_mean", total_sequences=denom[0], total_tokens=denom[1], max_len=T
     )
     n_tok = float(m.sum())

@@ -206,7 +206,10 @@ class RewardModel:
 
     def batch(self, step: int) -> PairBatch:
         """1. A batch of pairs: step ``step`` of a per-epoch shuffle."""
-        return PairBatch(step, batch_indices(len(self.train_pairs), self.recipe.reward_model.batch_size, self.recipe.train.seed, step))
+        return PairBatch(
+            step,
+            batch_indices(len(self.train_pairs), self.recipe.reward_model.batch_size, self.recipe.train.seed, step),
+        )
 
     def step(self, batch: PairBatch) -> dict:
         """One optimizer step on ``batch`` (and a held-out evaluation every ``reward_model.eval_every`` steps)."""

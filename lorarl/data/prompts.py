@@ -69,7 +69,7 @@ def read_rows(cfg: DataConfig, split: Split, size: int | None = None) -> tuple[l
 
         n = size or (cfg.train_size if split == "train" else cfg.eval_size)
         rows = make_problems(
-            split, n, seed=cfg.seed, operations=cfg.operations, digits=cfg.digits, template=cfg.prompt_template
+            split, n, seed=cfg.seed, operations=cfg.arithmetic.operations, digits=cfg.arithmetic.digits, template=cfg.arithmetic.prompt_template
         )
         return rows, f"arithmetic ({split}, {n} rows, seed {cfg.seed})"
     path = Path(source).expanduser()

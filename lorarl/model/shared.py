@@ -33,6 +33,7 @@ from lorarl.config import LoraSettings, ModelConfig
 from lorarl.errors import LorarlError
 from lorarl.model.loading import load_base, lora_config, new_head
 from lorarl.model.logprobs import chunked_token_logprobs
+from lorarl.model.sampling import use_clean_generation_config
 from lorarl.model.tokens import eos_token_ids, last_token_index, position_ids
 
 REFERENCE = "reference"
@@ -68,6 +69,9 @@ class SharedBase:
             enable(**{kw: {"use_reentrant": False}})
         model.config.use_cache = False
         model.eval()
+        # sampling is built from scratch: the folder's generation config (repetition penalty, top-k, ...) is kept
+        # only for reporting (lorarl.model.sampling)
+        self.hub_generation_config = use_clean_generation_config(model, eos_token_ids(model, tokenizer), self.pad_id)
 
     # ---- construction ---------------------------------------------------------------------------------------
     @classmethod

@@ -140,3 +140,19 @@ class RewardSource:
     def load_state_dict(self, state: dict) -> None:
         if self.rules is not None:
             self.rules.calls, self.rules.failures = int(state["calls"]), int(state["failures"])
+
+
+def reward_source(recipe, shared: SharedBase, batch_size: int | None = None) -> RewardSource:
+    """The recipe's ``reward`` section as a :class:`RewardSource` on ``shared`` (``batch_size``: rows per reward-model
+    forward; default ``eval.batch_size``)."""
+    r = recipe.reward
+    return RewardSource(
+        shared,
+        r.source,
+        r.functions,
+        adapter=r.adapter,
+        model_weight=r.model_weight,
+        timeout_s=r.timeout_s or None,
+        recipe_path=recipe.source_path,
+        batch_size=batch_size or recipe.eval.batch_size,
+    )

@@ -18,6 +18,7 @@ from torch import Tensor
 from lorarl.config import GenerationConfig
 from lorarl.model import SharedBase
 from lorarl.model.logprobs import completion_logprobs
+from lorarl.model.sampling import generate_kwargs
 from lorarl.model.tokens import completion_mask, pad_left, position_ids
 from lorarl.rollout.types import Rollout
 
@@ -82,14 +83,15 @@ def generate_rollout(
     rows = [p for p in prompts for _ in range(group_size)]  # [N] grouped: G copies of each prompt in a row
     row_index = [i for i in index for _ in range(group_size)]
     prompt_ids, prompt_mask = pad_left(rows, pad_id)
-    new_tokens = max_new_tokens or generation.max_new_tokens
-    kwargs = {"max_new_tokens": new_tokens, "eos_token_id": eos_ids, "pad_token_id": pad_id}
-    if greedy:
-        kwargs.update(do_sample=False, top_k=None, top_p=None, temperature=None)
-    else:
-        kwargs.update(
-            do_sample=True, temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k
-        )
+    kwargs = generate_kwargs(
+        greedy=greedy,
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        max_new_tokens=max_new_tokens or generation.max_new_tokens,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+    )
     n = len(rows)
     P = prompt_ids.shape[1]
     chunks = []

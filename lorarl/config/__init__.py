@@ -1,0 +1,63 @@
+"""Recipes: YAML files validated into dataclasses (:mod:`lorarl.config.schema`), read by
+:mod:`lorarl.config.loader` with command-line overrides; keys that moved are read under their new names
+(:mod:`lorarl.config.migrate`)."""
+
+from lorarl.config.loader import (
+    apply_overrides,
+    load_recipe,
+    load_run_recipe,
+    parse_override,
+    recipe_from_dict,
+    recipe_to_dict,
+    yaml_load,
+)
+from lorarl.config.schema import (
+    ALGO_SECTIONS,
+    ArithmeticConfig,
+    CriticConfig,
+    DataConfig,
+    EvalConfig,
+    GenerationConfig,
+    GRPOConfig,
+    GRPOKLConfig,
+    LoraSettings,
+    ModelConfig,
+    PPOConfig,
+    PPOKLConfig,
+    PtxConfig,
+    Recipe,
+    RewardConfig,
+    RewardModelConfig,
+    RewardSpec,
+    ScoreConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ALGO_SECTIONS",
+    "ArithmeticConfig",
+    "CriticConfig",
+    "DataConfig",
+    "EvalConfig",
+    "GRPOConfig",
+    "GRPOKLConfig",
+    "GenerationConfig",
+    "LoraSettings",
+    "ModelConfig",
+    "PPOConfig",
+    "PPOKLConfig",
+    "PtxConfig",
+    "Recipe",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RewardSpec",
+    "ScoreConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_recipe",
+    "load_run_recipe",
+    "parse_override",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    "yaml_load",
+]

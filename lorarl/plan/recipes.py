@@ -1,0 +1,166 @@
+"""Recipes: the planner's view of a :class:`lorarl.config.Recipe`, ``lorarl plan`` and ``micro_batch_size: auto``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lorarl.config import GRPOConfig, PPOConfig
+from lorarl.errors import LorarlError
+from lorarl.plan.choice import pick_micro_batch
+from lorarl.plan.estimate import PlanSettings, estimate_memory
+from lorarl.plan.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
+from lorarl.plan.terms import GB
+
+ARITHMETIC_PROMPT_TOKENS = 96  # a chat-templated arithmetic question with a system prompt stays well below this
+CPU_DEFAULT_MICRO_BATCH = 8
+
+
+def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
+    """The planner's view of a :class:`lorarl.config.Recipe` on ``device_type`` (``auto`` quantization and
+    dtype resolve as the loader does: NF4 + bf16 on CUDA, none + fp32 on CPU). Prompt length is
+    ``data.max_prompt_tokens`` (the longest prompt the data loader keeps), or at most
+    :data:`ARITHMETIC_PROMPT_TOKENS` for the built-in arithmetic task."""
+    m = recipe.model
+    quant = m.quantization if m.quantization != "auto" else ("nf4" if device_type == "cuda" else "none")
+    if m.dtype == "auto":
+        dtype_bytes = 2 if device_type == "cuda" else 4
+    else:
+        dtype_bytes = 4 if m.dtype == "float32" else 2
+    prompt_len = recipe.data.max_prompt_tokens
+    if recipe.data.source == "arithmetic":
+        prompt_len = min(prompt_len, ARITHMETIC_PROMPT_TOKENS)
+    mb = recipe.train.micro_batch_size
+    algo = recipe.algo if recipe.algo in ("grpo", "ppo") else "grpo"
+    g = recipe.generation
+    grpo = recipe.grpo if recipe.grpo is not None else GRPOConfig()
+    ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
+    return PlanSettings(
+        algo=algo,
+        quantization=quant,
+        dtype_bytes=dtype_bytes,
+        lora_r=recipe.lora.r,
+        lora_targets=recipe.lora.target_modules,
+        critic_lora_r=ppo.critic.lora.r,
+        critic_lora_targets=ppo.critic.lora.target_modules,
+        group_size=grpo.group_size if algo == "grpo" else 1,
+        prompts_per_step=recipe.train.prompts_per_step,
+        prompt_len=prompt_len,
+        max_new_tokens=g.max_new_tokens,
+        micro_batch_size=mb if isinstance(mb, int) else 1,
+        logprob_chunk_size=m.logprob_chunk_size,
+        gradient_checkpointing=m.gradient_checkpointing,
+        kl_coef=grpo.kl.coef if algo == "grpo" else ppo.kl.coef,
+        num_iterations=grpo.num_iterations,
+        reward_model=recipe.reward.source in ("reward_model", "both"),
+        minibatch_size=ppo.minibatch_size if algo == "ppo" else None,
+        sampling_filters=g.top_p < 1 or g.top_k > 0,
+        reference_adapter=bool(m.init_adapter) or (algo == "grpo" and grpo.kl.ref_refresh_every > 0),
+        device=device_type,
+    )
+
+
+def recipe_model_shape(recipe, model_config: str | None = None) -> ModelShape:
+    """``model_config`` (config.json path, folder, or known name), else the recipe's model: a known name, or the
+    ``config.json`` of its local folder. Weights are never read."""
+    if model_config:
+        return model_shape(model_config)
+    name = recipe.model.name
+    if known_config(name) is not None:
+        return model_shape(name)
+    p = Path(name).expanduser()
+    if (p / "config.json").is_file() or p.name == "config.json":
+        return model_shape(p)
+    from lorarl.model.registry import resolve_model
+
+    resolved = Path(resolve_model(name))
+    if (resolved / "config.json").is_file():
+        return model_shape(resolved)
+    raise LorarlError(
+        f"plan: cannot find the shape of model {name!r} offline; pass --model-config (a config.json or {', '.join(KNOWN_CONFIGS)})"
+    )
+
+
+def plan_recipe(
+    recipe_path: str | os.PathLike,
+    budget_gb: float = 24.0,
+    model_config: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """``lorarl plan``: predict each phase's peak for the recipe as written (micro-batch ``auto`` -> the picked
+    one) and pick micro-batch / generation batch sizes for ``budget_gb``. Prints a table; returns the JSON dict."""
+    from lorarl.config import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides or [])
+    shape = recipe_model_shape(recipe, model_config)
+    s = recipe_settings(recipe)
+    pick = pick_micro_batch(shape, budget_gb, s)
+    as_written = recipe.train.micro_batch_size
+    est = pick["estimate"] if as_written == "auto" else estimate_memory(shape, s, micro_batch_size=int(as_written))
+    result = {
+        "recipe": str(recipe_path),
+        "model": shape.name,
+        "budget_gb": budget_gb,
+        "micro_batch_size": as_written,
+        "picked_micro_batch_size": pick["micro_batch_size"],
+        "picked_generation_batch_size": pick["generation_batch_size"],
+        "fits": est["peak_total_bytes"] <= budget_gb * GB,
+        "picked_fits": pick["fits"],
+        "phases_gb": {k: round(v / GB, 3) for k, v in est["phases"].items()},
+        "peak_gb": round(est["peak_bytes"] / GB, 3),
+        "peak_total_gb": round(est["peak_total_bytes"] / GB, 3),
+        "peak_phase": est["peak_phase"],
+        "breakdown_gb": {p: {k: round(v / GB, 4) for k, v in terms.items()} for p, terms in est["breakdown"].items()},
+        "params": est["params"],
+        "settings": est["settings"],
+        "advice": pick["advice"],
+    }
+    print(format_plan(result))
+    return result
+
+
+def format_plan(result: dict[str, Any]) -> str:
+    """A readable summary of :func:`plan_recipe`'s result."""
+    lines = [
+        f"plan for {result['recipe']} on {result['model']} (budget {result['budget_gb']:g} GB)",
+        f"  micro-batch: {result['micro_batch_size']} as written, {result['picked_micro_batch_size']} picked; "
+        f"generation batch picked: {result['picked_generation_batch_size']}",
+    ]
+    for phase, gb in result["phases_gb"].items():
+        terms = result["breakdown_gb"].get(phase, {})
+        top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3] if v > 0)
+        lines.append(f"  {phase:<11} {gb:8.2f} GB allocated{('  (' + top + ')') if top else ''}")
+    persist = ", ".join(f"{k} {v:.2f}" for k, v in result["breakdown_gb"]["persistent"].items())
+    lines.append(f"  persistent: {persist}")
+    lines.append(
+        f"  peak: {result['peak_gb']:.2f} GB allocated in {result['peak_phase']}, {result['peak_total_gb']:.2f} GB "
+        f"with CUDA context and allocator slack -> {'fits' if result['fits'] else 'DOES NOT FIT'}"
+    )
+    lines.extend(f"  note: {a}" for a in result["advice"])
+    return "\n".join(lines)
+
+
+def resolve_micro_batch(recipe, device_type: str | None = None, budget_gb: float | None = None) -> int:
+    """``train.micro_batch_size`` as an int. An int is returned as is. ``auto``:
+
+    * on CUDA: :func:`pick_micro_batch` with the budget ``budget_gb`` or else the device's total memory;
+    * on CPU: ``min(CPU_DEFAULT_MICRO_BATCH, rows the micro-batches split)`` - host memory is rarely the limit
+      at the sizes a CPU can train, and 8 rows keep each forward's activations small.
+    """
+    mb = recipe.train.micro_batch_size
+    if mb != "auto":
+        return int(mb)
+    s = recipe_settings(recipe, device_type=device_type or "cuda")
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type != "cuda":
+        return max(1, min(CPU_DEFAULT_MICRO_BATCH, s.split_rows))
+    if budget_gb is None:
+        import torch
+
+        budget_gb = torch.cuda.get_device_properties(0).total_memory / GB
+    shape = recipe_model_shape(recipe)
+    return int(pick_micro_batch(shape, budget_gb, s)["micro_batch_size"])
