@@ -8,10 +8,14 @@ where namespaces are not allowed (e.g. an unprivileged Docker container).
 
 from __future__ import annotations
 
+import ast
 import os
+import runpy
 import secrets
 import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +29,8 @@ from lorarl.sandbox import (
     run_python,
     run_tests,
 )
+from lorarl.sandbox import isolation as sandbox_isolation
+from lorarl.sandbox import reward as sandbox_reward
 
 FAST = SandboxLimits(
     wall_seconds=5.0, cpu_seconds=3, memory_mb=256, max_processes=8, max_output_bytes=16384, file_size_mb=4, disk_mb=16
@@ -54,16 +60,16 @@ def mode(request, info):
 
 @pytest.fixture
 def runs(monkeypatch):
-    """Every SandboxResult produced during the test, in order."""
+    """Every SandboxResult produced by run_tests during the test, in order."""
     results = []
-    real = sandbox._execute
+    real = sandbox_reward._execute
 
     def spy(*args, **kwargs):
         res = real(*args, **kwargs)
         results.append(res)
         return res
 
-    monkeypatch.setattr(sandbox, "_execute", spy)
+    monkeypatch.setattr(sandbox_reward, "_execute", spy)
     return results
 
 
@@ -91,7 +97,7 @@ def _assert_clean(results, elapsed: float, limits: SandboxLimits = HOSTILE) -> N
     for res in results:
         assert res.wall_seconds < limits.wall_seconds + SLACK
         if res.sandbox_uid is not None:
-            assert sandbox._pids_of_uid(res.sandbox_uid) == []
+            assert sandbox_isolation._pids_of_uid(res.sandbox_uid) == []
         else:
             assert _live_harness_processes() == []
         cwd = res.stdout.splitlines()[0] if res.stdout else ""
@@ -124,6 +130,23 @@ def test_extract_code_without_block():
     assert extract_code("```js\nlet x\n```") is None
     assert extract_code("x = 1", fallback_raw=True) == "x = 1\n"
     assert extract_code("   ", fallback_raw=True) is None
+
+
+# --------------------------------------------------------------------------
+# The programs that run inside the sandbox
+
+
+@pytest.mark.parametrize("name", ["harness.py", "ns_init.py"])
+def test_programs_are_standalone_scripts(name):
+    """They run under ``python -I -S`` on whichever interpreter the sandbox picks: standard library only, no
+    ``__future__`` import; importing them (as a wheel's namespace package would allow) runs nothing."""
+    path = Path(sandbox.__file__).parent / "programs" / name
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert modules and modules <= sys.stdlib_module_names - {"__future__"}
+    namespace = runpy.run_path(str(path), run_name="lorarl_sandbox_program")
+    assert callable(namespace.get("_main") or namespace.get("main"))
 
 
 # --------------------------------------------------------------------------
