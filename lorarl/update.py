@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lorarl.core.stats import MeanAccumulator
 from lorarl.errors import LorarlError
+from lorarl.phases import phase
 
 # A loss function: micro-batch -> (loss contribution, {stat name: (sum, count)}).
 LossFn = Callable[[Any], tuple[Tensor, dict[str, tuple[float, float]]]]
@@ -104,7 +105,8 @@ def optimizer_step(
         return StepResult(total_loss, grad_norm, True, n_micro, stats_out, lr)
     if max_grad_norm is not None and grad_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(grad_norm))
-    optimizer.step()
+    with phase("optimizer"):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
         scheduler.step()

@@ -40,6 +40,7 @@ from lorarl.core.advantages import group_advantages
 from lorarl.core.losses import kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
 from lorarl.metrics import PLOT_PANELS
 from lorarl.model import REFERENCE, SharedBase, completion_logprobs
+from lorarl.phases import phase
 from lorarl.rewards.source import reward_source
 from lorarl.rollout import Rollout, generate_rollout
 from lorarl.tasks import accuracy
@@ -170,12 +171,10 @@ class GRPO:
 
     def step(self, batch: GRPOBatch) -> dict:
         """One GRPO step on ``batch``; returns its metrics."""
-        import time
-
         from tqdm.auto import tqdm
 
         shared, cfg, gen, tcfg = self.shared, self.recipe.grpo, self.recipe.generation, self.recipe.train
-        G, step, t0 = cfg.group_size, batch.step, time.perf_counter()
+        G, step = cfg.group_size, batch.step
 
         # 2. Rollout: G completions per prompt, one generate call; old / reference log-probs when needed ------
         rollout = generate_rollout(
@@ -189,7 +188,6 @@ class GRPO:
             prompt_index=batch.prompt_index,
         )
         N = len(rollout)
-        t_gen = time.perf_counter()
 
         # 3. Rewards: rule functions (each once on the batch; failures isolated as NaN and counted) and/or the
         #    frozen reward adapter's score at each response's last token -------------------------------------
@@ -228,12 +226,11 @@ class GRPO:
         )
 
         # 6. num_iterations optimizer steps, each over micro-batches with gradient accumulation ---------------
-        t_upd0 = time.perf_counter()
         mbs = micro_batch_rows(tcfg.micro_batch_size, max(len(rows), 1), self.planned_mbs)
         update_stats: dict[str, float] = {}
         # backward runs inside the policy role in train mode: activation checkpointing recomputes the forward
         # there, and must see the same adapter and mode (dropout) as the forward did
-        with shared.role(POLICY, train=True):
+        with phase("training"), shared.role(POLICY, train=True):
             for _ in range(cfg.num_iterations):
                 if len(rows) == 0:  # nothing to learn from this batch (e.g. every group zero-std)
                     self.policy.scheduler.step()
@@ -254,7 +251,6 @@ class GRPO:
                 self.micro_batch_cap = mbs
                 self.guard.check(result, step)
                 update_stats = dict(result.stats, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr)
-        t_end = time.perf_counter()
 
         # 7. Iterative GRPO: refresh the reference adapter to the current policy ---------------------------------
         if self.has_ref_adapter and cfg.kl.ref_refresh_every > 0 and step % cfg.kl.ref_refresh_every == 0:
@@ -282,8 +278,6 @@ class GRPO:
             "trained_rows": int(len(rows)),
             "reward_failures": self.source.failures,
             "skipped_updates": self.guard.skipped,
-            "gen_time": t_gen - t0,
-            "update_time": t_end - t_upd0,
             "tokens": float(lengths.sum()),
         }
 

@@ -26,6 +26,7 @@ from lorarl.algos.base import Algorithm, step_seed
 from lorarl.config import Recipe, recipe_to_dict
 from lorarl.metrics import MetricsLogger, plot_metrics
 from lorarl.model import SharedBase
+from lorarl.phases import recording
 
 
 @dataclass
@@ -131,8 +132,10 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
         for step in range(start_step + 1, last_step + 1):
             t0, cpu0 = time.perf_counter(), time.process_time()
             torch.manual_seed(step_seed(recipe.train.seed, step))
-            row = algo.step(algo.batch(step))
+            with recording() as phases:
+                row = algo.step(algo.batch(step))
             step_time = time.perf_counter() - t0
+            row.update({f"time/{name}": seconds for name, seconds in phases.seconds.items()})
             row["step_time"] = step_time
             row["step_cpu_s"] = time.process_time() - cpu0  # CPU seconds of this process (all threads)
             if "tokens" in row:

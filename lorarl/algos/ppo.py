@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +56,7 @@ from lorarl.core.ops import masked_mean, masked_whiten
 from lorarl.core.stats import RunningMoments, explained_variance, finite_mean
 from lorarl.errors import LorarlError
 from lorarl.model import REFERENCE, SharedBase
+from lorarl.phases import phase
 from lorarl.rewards.source import RewardSource, resolve_reward_adapter, reward_source
 from lorarl.rollout import generate_rollout
 from lorarl.tasks import accuracy
@@ -157,7 +157,7 @@ class PPO:
         from tqdm.auto import tqdm
 
         shared, cfg, gen = self.shared, self.recipe.ppo, self.recipe.generation
-        step, t0 = batch.step, time.perf_counter()
+        step = batch.step
 
         # ===== Phase 1. Rollout: sample with the policy; old and reference log-probs ===========================
         rollout = generate_rollout(
@@ -173,7 +173,6 @@ class PPO:
         mask = rollout.completion_mask  # [N, T] bool, through the first EOS
         old_logprobs = rollout.old_logprobs  # [N, T]
         ref_logprobs = rollout.ref_logprobs if self.need_ref else old_logprobs  # [N, T]
-        t_gen = time.perf_counter()
 
         # ===== Phase 2. Reward: score at the final token, then the per-token KL penalty =========================
         scored = self.source.score_rollout(self.prompts, rollout)
@@ -194,19 +193,18 @@ class PPO:
         rewards, kl = kl_shaped_rewards(score, old_logprobs, ref_logprobs, mask, beta)  # [N, T] each
 
         # ===== Phase 3. Values from the critic; GAE; value targets; whitening ==================================
-        values = critic_values(shared, rollout.input_ids, rollout.attention_mask, P, self.fwd_bs)  # [N, T] V(s_t)
+        with phase("scoring"):
+            values = critic_values(shared, rollout.input_ids, rollout.attention_mask, P, self.fwd_bs)  # [N, T]
         advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)  # [N, T] each
         ev = explained_variance(values, returns, mask)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
 
         # ===== Phase 4. K epochs x shuffled minibatches x micro-batches ========================================
-        t_upd0 = time.perf_counter()
         data = PPOBatch(rollout, mask, old_logprobs, advantages, values, returns)
         acc, minibatches_done, early_stop = self.optimise(data, step)
         seq_kl = float((kl * mask).sum(dim=1).mean())  # mean over sequences of sum_t (log pi_old - log pi_ref)
         self.kl_ctl.update(seq_kl, n_steps=N)
-        t_end = time.perf_counter()
 
         # ===== Metrics ==========================================================================================
         lengths, m_f = rollout.lengths.float(), mask.float()
@@ -233,8 +231,6 @@ class PPO:
             "critic_grad_norm": finite_mean(acc.get("critic_grad_norm", [])),
             "lr": self.policy.scheduler.get_last_lr()[0],
             "skipped_updates": self.guard.skipped,
-            "gen_time": t_gen - t0,
-            "update_time": t_end - t_upd0,
             "tokens": float(lengths.sum()),
         }
 
@@ -265,7 +261,7 @@ class PPO:
                 # Each whole step (forward AND backward) runs with its role active: gradient checkpointing
                 # recomputes the forward during backward, with whatever adapter is active at that moment.
                 # A CUDA out-of-memory in a micro-batch halves the micro-batch and redoes that optimizer step.
-                with shared.role(POLICY, train=True):
+                with phase("training"), shared.role(POLICY, train=True):
                     pres, self.mbs = optimizer_step_halving(
                         self.policy.params,
                         self.policy.optimizer,
@@ -278,7 +274,7 @@ class PPO:
                         scheduler=self.policy.scheduler,
                     )
                 self.guard.check(pres, step, "policy")
-                with shared.role(CRITIC, train=True):
+                with phase("critic_training"), shared.role(CRITIC, train=True):
                     cres, self.mbs = optimizer_step_halving(
                         self.critic.params,
                         self.critic.optimizer,

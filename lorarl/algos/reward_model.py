@@ -38,6 +38,7 @@ from lorarl.data.preferences import PreferenceSet, load_preferences, resolve_sou
 from lorarl.errors import DataError, LorarlError
 from lorarl.model import SharedBase
 from lorarl.model.tokens import pad_right
+from lorarl.phases import phase
 from lorarl.rewards.source import REWARD, resolve_reward_adapter
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
@@ -220,7 +221,7 @@ class RewardModel:
         loss_fn = functools.partial(
             bt_loss, shared, self.train_pairs, len(idx), self.use_margin, cfg.center_coef, cfg.max_tokens_per_forward
         )
-        with shared.role(REWARD, train=True):  # active through backward too (checkpointing recomputes)
+        with phase("training"), shared.role(REWARD, train=True):  # active through backward (recompute)
             result = optimizer_step(
                 self.role.params,
                 self.role.optimizer,
@@ -242,10 +243,9 @@ class RewardModel:
         # 3. Held-out pairwise accuracy ---------------------------------------------------------------------------
         last = step == self.last_step
         if self.eval_pairs is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
-            self.eval_result = pairwise_metrics(
-                *score_pairs(shared, self.eval_pairs, self.recipe.eval.batch_size, cfg.max_tokens_per_forward),
-                self.eval_pairs,
-            )
+            with phase("evaluation"):
+                scores = score_pairs(shared, self.eval_pairs, self.recipe.eval.batch_size, cfg.max_tokens_per_forward)
+            self.eval_result = pairwise_metrics(*scores, self.eval_pairs)
             row.update(eval_accuracy=self.eval_result["pairwise_accuracy"], eval_loss=self.eval_result["loss"])
             row["_log_now"] = True
         return row

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lorarl.errors import LorarlError
 from lorarl.model import HEAD_FILE, SharedBase
+from lorarl.phases import phase
 from lorarl.rewards.scorer import RewardScorer, RewardScores
 from lorarl.runs import find_adapter, resolve_path
 
@@ -117,11 +118,13 @@ class RewardSource:
         rm = None
         total = torch.zeros(len(rollout))
         if self.uses_rm:
-            rm = reward_model_scores(self.shared, rollout.input_ids, rollout.attention_mask, self.batch_size)  # [N]
+            with phase("scoring"):
+                rm = reward_model_scores(self.shared, rollout.input_ids, rollout.attention_mask, self.batch_size)
             total = total + self.model_weight * rm
         rules = None
         if self.uses_rules:
-            rules = self.rules.score_rollout(prompts, rollout)
+            with phase("rewards"):
+                rules = self.rules.score_rollout(prompts, rollout)
             # rules alone: NaN stays NaN (the caller decides); with a reward model every row has a score
             total = rules.total if rm is None else total + torch.nan_to_num(rules.total, nan=0.0)
         return SourceScores(total=total, reward_model=rm, rules=rules)

@@ -20,6 +20,7 @@ from lorarl.model import SharedBase
 from lorarl.model.logprobs import completion_logprobs
 from lorarl.model.sampling import generate_kwargs
 from lorarl.model.tokens import completion_mask, pad_left, position_ids
+from lorarl.phases import phase
 from lorarl.rollout.types import Rollout
 
 
@@ -95,7 +96,7 @@ def generate_rollout(
     n = len(rows)
     P = prompt_ids.shape[1]
     chunks = []
-    with shared.role(role, train=False):
+    with phase("generation"), shared.role(role, train=False):
         if group_size > 1 and P > 1 and batch_size is None:
             # The G copies of a prompt share their prefix: run the prompt once, copy its KV cache G times, and let
             # generate() continue from it (it computes only the last prompt token). Prefill work drops G-fold.
@@ -132,8 +133,9 @@ def generate_rollout(
         prompt_index=row_index,
         group_size=group_size,
     )
-    if record_old:
-        rollout.old_logprobs = sequence_logprobs(shared, role, rollout, generation.temperature, batch_size)
-    if reference:
-        rollout.ref_logprobs = sequence_logprobs(shared, reference, rollout, generation.temperature, batch_size)
+    with phase("scoring"):
+        if record_old:
+            rollout.old_logprobs = sequence_logprobs(shared, role, rollout, generation.temperature, batch_size)
+        if reference:
+            rollout.ref_logprobs = sequence_logprobs(shared, reference, rollout, generation.temperature, batch_size)
     return rollout
