@@ -20,18 +20,17 @@ from lorarl.chat import (
     ChatEngine,
     ChatSession,
     Entry,
-    Sampling,
     build_app,
     default_base_model,
     preference_record,
 )
-from lorarl.config import LoraSettings, ModelConfig
+from lorarl.config import GenerationConfig, LoraSettings, ModelConfig
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
 
 REPO = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "What is 2 + 2?"}]
-GREEDY = Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0)
+GREEDY = GenerationConfig(temperature=0.0, top_p=1.0, max_new_tokens=12)  # seed 0: generate's default
 
 
 def load_tiny(model_dir: Path) -> SharedBase:
@@ -172,9 +171,9 @@ def test_one_batch_answers_every_pane_like_separate_runs(engine, monkeypatch):
 
 
 def test_seed_makes_sampling_reproducible(engine):
-    s = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
-    a = [x.token_ids for x in engine.generate(["base", "demo/policy"], [USER] * 2, s)]
-    b = [x.token_ids for x in engine.generate(["base", "demo/policy"], [USER] * 2, s)]
+    s = GenerationConfig(temperature=1.0, top_p=1.0, max_new_tokens=4)
+    a = [x.token_ids for x in engine.generate(["base", "demo/policy"], [USER] * 2, s, seed=3)]
+    b = [x.token_ids for x in engine.generate(["base", "demo/policy"], [USER] * 2, s, seed=3)]
     assert a == b
 
 
@@ -183,7 +182,7 @@ def test_stop_flag_ends_generation_early(engine):
     answers = engine.generate(
         ["base", "demo/policy"],
         [USER] * 2,
-        Sampling(temperature=0.0, top_p=1.0, max_new_tokens=200, seed=0),
+        GenerationConfig(temperature=0.0, top_p=1.0, max_new_tokens=200),
         stop=stop,
         on_update=lambda i, t: stop.set(),
     )
@@ -191,9 +190,24 @@ def test_stop_flag_ends_generation_early(engine):
 
 
 def test_sampling_is_validated(engine):
-    for bad in (Sampling(temperature=-1), Sampling(top_p=0), Sampling(max_new_tokens=0)):
+    for bad in (GenerationConfig(temperature=-1), GenerationConfig(top_p=0), GenerationConfig(max_new_tokens=0)):
         with pytest.raises(LorarlError):
             engine.generate(["base"], [USER], bad)
+
+
+def test_an_exports_generation_config_does_not_leak_into_sampling(engine, tiny_model_dir, tmp_path):
+    """A merged export's generation_config.json (here: suppress the base's first answer token, and a repetition
+    penalty) is replaced by a clean one: the export, holding the base's weights, answers exactly like the base."""
+    (base,) = engine.generate(["base"], [USER], GREEDY)
+    runs = tmp_path / "runs"
+    shutil.copytree(tiny_model_dir, runs / "merged")
+    gen_file = runs / "merged" / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen.update(suppress_tokens=[base.token_ids[0]], repetition_penalty=1.5)
+    gen_file.write_text(json.dumps(gen))
+    local = ChatEngine(engine.shared, Catalog(runs, str(tiny_model_dir)))
+    (export,) = local.generate(["export:merged"], [USER], GREEDY)
+    assert export.token_ids == base.token_ids
 
 
 # ---- rewards ------------------------------------------------------------------------------------------------------
@@ -213,6 +227,21 @@ def test_rewards_from_rules_and_reward_adapter(engine):
     assert rm[0].total != rm[1].total
     with pytest.raises(LorarlError):
         engine.score("rm:../outside-run", [USER] * 2, answers)
+
+
+def test_rule_rewards_are_read_from_old_and_new_recipe_layouts(tmp_path):
+    """Runs saved before the recipe's ``reward`` section (``rewards``, ``ppo.reward_source``) and after it."""
+    from lorarl.chat.catalog import read_recipe, rule_specs
+
+    old = {"algo": "ppo", "ppo": {"reward_source": "both"}, "rewards": [{"name": "format", "weight": 0.5}]}
+    new = {"algo": "grpo", "reward": {"source": "rules", "functions": [{"name": "numeric_match"}]}}
+    rm_only = {"algo": "ppo", "reward": {"source": "reward_model", "functions": [{"name": "numeric_match"}]}}
+    for i, (recipe, names) in enumerate(
+        ((old, ["format"]), (new, ["numeric_match"]), (rm_only, []), ({"algo": "reward_model"}, []))
+    ):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        assert [s.name for s in rule_specs(read_recipe(tmp_path / str(i)))] == names
 
 
 # ---- votes --------------------------------------------------------------------------------------------------------
@@ -289,6 +318,17 @@ def test_gradio_client_calls_the_app_api(runs_dir, engine):
     finally:
         demo.close()
     assert not (runs_dir / "preferences.jsonl").exists()
+
+
+def test_handlers_that_need_the_request_get_it():
+    """gradio passes the request (its session: what Stop stops) only to callbacks whose annotation it resolves."""
+    import gradio as gr
+    from gradio.utils import get_type_hints
+
+    from lorarl.chat.handlers import Handlers
+
+    for fn in (Handlers.on_send, Handlers.on_regen, Handlers.on_stop):
+        assert get_type_hints(fn)["request"] is gr.Request
 
 
 # ---- entry points -------------------------------------------------------------------------------------------------

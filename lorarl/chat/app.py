@@ -1,0 +1,95 @@
+"""Building and serving the Gradio app: one shared base, the catalog of the runs directory, the engine and session
+on top, then the layout, its events and the client API. Gradio is imported only here (lazily)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lorarl.chat.catalog import Catalog, default_base_model
+from lorarl.chat.engine import ChatEngine
+from lorarl.chat.session import ChatSession
+from lorarl.chat.votes import PREFERENCES_FILE, ties_path
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def make_session(
+    runs_dir: str | os.PathLike,
+    model: str | None = None,
+    shared=None,
+    preferences: str | os.PathLike | None = None,
+) -> tuple[ChatSession, str]:
+    """``(session, base model name)``: ``shared`` (an already loaded :class:`~lorarl.model.SharedBase`) or ``model``
+    loaded once (default: the model the runs were trained on, else the embedded default)."""
+    from lorarl.config import ModelConfig
+    from lorarl.model import SharedBase
+
+    runs = Path(runs_dir).expanduser()
+    if shared is None:
+        name = model or default_base_model(runs)
+        shared = SharedBase.load(ModelConfig(name=name, gradient_checkpointing=False))
+    else:
+        name = model or shared.cfg.name
+    catalog = Catalog(runs, name)
+    pref_path = Path(preferences) if preferences else catalog.root / PREFERENCES_FILE
+    return ChatSession(ChatEngine(shared, catalog), pref_path, ties_path(pref_path)), name
+
+
+def build_app(
+    runs_dir: str | os.PathLike = "runs",
+    model: str | None = None,
+    shared=None,
+    preferences: str | os.PathLike | None = None,
+):
+    """The Gradio app (``gr.Blocks``). ``shared``: an already loaded :class:`~lorarl.model.SharedBase` to use;
+    else ``model`` (a model name or folder; default: the model the runs were trained on, else the embedded default)
+    is loaded once. Votes go to ``preferences`` (default ``RUNS/preferences.jsonl``; ties beside it)."""
+    import gradio as gr
+
+    from lorarl.chat.api import register_api
+    from lorarl.chat.handlers import Handlers, wire
+    from lorarl.chat.layout import build_layout
+
+    session, name = make_session(runs_dir, model, shared, preferences)
+    catalog = session.catalog
+    handlers = Handlers(session)
+    with gr.Blocks(title="lorarl chat", analytics_enabled=False) as demo:
+        widgets = build_layout(name, catalog.choices(), catalog.scorer_choices(), handlers.status_line())
+        wire(widgets, handlers)
+        register_api(session)
+    demo.lorarl_session = session  # for tests and embedding
+    return demo
+
+
+def launch(
+    runs_dir: str | os.PathLike = "runs",
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    model: str | None = None,
+    share: bool = False,
+    shared=None,
+    prevent_thread_lock: bool = False,
+    quiet: bool = False,
+):
+    """Build and serve the app (127.0.0.1 by default: it has no authentication). Returns the app."""
+    import gradio as gr
+
+    from lorarl.chat.layout import CSS
+
+    if host not in LOCAL_HOSTS and not quiet:
+        print(f"lorarl chat: warning: serving on {host} without authentication; anyone who can reach it can use it")
+    demo = build_app(runs_dir, model=model, shared=shared)
+    demo.queue(default_concurrency_limit=4)
+    system_fonts = ["ui-sans-serif", "system-ui", "sans-serif"]  # no web fonts: the app works offline
+    demo.launch(
+        server_name=host,
+        server_port=port,
+        share=share,
+        prevent_thread_lock=prevent_thread_lock,
+        quiet=quiet,
+        theme=gr.themes.Soft(font=system_fonts, font_mono=["ui-monospace", "monospace"]),
+        css=CSS,
+        footer_links=["api"],
+    )
+    return demo

@@ -1,0 +1,266 @@
+"""The UI's callbacks, and :func:`wire` connecting them to the layout's components. Every UI event is private (not
+callable from clients); the public API is :mod:`lorarl.chat.api`.
+
+Send and Regenerate stream: the engine answers in a background thread (:class:`_Job`) while the handler yields a
+frame of every pane (:class:`_Frames`) each time some pane's text changed, at most ~25 a second. Stop sets the
+session's stop event; a cancelled or disconnected request stops its generation too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from lorarl.chat.catalog import BASE_ID, NO_REWARD
+from lorarl.chat.engine import Answer, ChatEngine
+from lorarl.chat.inputs import check_seed, generation_from_ui, parse_columns, plain_history, system_messages
+from lorarl.chat.layout import Widgets
+from lorarl.chat.scoring import RewardResult
+from lorarl.chat.session import MAX_PANES, ChatSession
+from lorarl.config import GenerationConfig
+from lorarl.errors import LorarlError
+
+GENERATING, SCORING = "generating…", "scoring…"
+FRAME_GAP_S = 0.04  # at most ~25 screen updates a second
+
+
+def _session_id(request: gr.Request | None) -> str:
+    """The browser session a request belongs to (``api`` for clients without one)."""
+    return getattr(request, "session_hash", None) or "api"
+
+
+class _Job:
+    """One turn's generation, then its scoring, in a background thread; ``changed`` is set whenever there is news."""
+
+    def __init__(self, engine: ChatEngine, panes: list[str], conversations: list[list[dict]], stop: threading.Event):
+        self.engine, self.panes, self.conversations, self.stop = engine, panes, conversations, stop
+        self.texts = [""] * len(panes)
+        self.changed = threading.Event()
+        self.answers: list[Answer] = []
+        self.rewards: list[RewardResult] | None = None
+        self.error: Exception | None = None
+        self.scoring = False
+        self.thread: threading.Thread | None = None
+
+    def _on_update(self, i: int, text: str) -> None:
+        self.texts[i] = text
+        self.changed.set()
+
+    def _work(self, generation: GenerationConfig, seed: int, reward: str, columns: dict) -> None:
+        try:
+            self.answers = self.engine.generate(
+                self.panes, self.conversations, generation, seed=seed, stop=self.stop, on_update=self._on_update
+            )
+            if reward and reward != NO_REWARD and not self.stop.is_set():
+                self.scoring = True
+                self.changed.set()
+                self.rewards = self.engine.score(reward, self.conversations, self.answers, columns)
+        except Exception as e:  # shown to the user by the handler
+            self.error = e
+        finally:
+            self.changed.set()
+
+    def start(self, generation: GenerationConfig, seed: int, reward: str, columns: dict) -> None:
+        args = (generation, seed, reward, columns)
+        self.thread = threading.Thread(target=self._work, args=args, daemon=True, name="lorarl-chat-generate")
+        self.thread.start()
+
+    def notes(self) -> Iterator[str]:
+        """While the job runs: one status note each time something changed (then a short pause)."""
+        while self.thread.is_alive():
+            if not self.changed.wait(0.25):
+                continue
+            self.changed.clear()
+            yield SCORING if self.scoring else GENERATING
+            time.sleep(FRAME_GAP_S)
+        self.thread.join()
+
+
+@dataclass
+class _Frames:
+    """The outputs of a generation event (every pane's chat and reward, the prompt box, the status, the turn) for
+    the ``n`` panes answering: their histories end with the new user turn and the answer being written."""
+
+    n: int
+    hist: list[list[dict]]
+    turn: dict  # system prompt and panes of this request (what a vote records)
+
+    def frame(self, texts: list[str], msg: Any, note: str, done: bool = False, reward_md: list[str] | None = None):
+        for i in range(self.n):
+            self.hist[i][-1]["content"] = texts[i] if (texts[i] or done) else "…"
+        bots = [self.hist[i] if i < self.n else gr.update() for i in range(MAX_PANES)]
+        rewards = [(reward_md[i] if reward_md else "") if i < self.n else gr.update() for i in range(MAX_PANES)]
+        return [*bots, *rewards, msg, note, self.turn]
+
+    def restore(self, before: list[list[dict]]) -> list:
+        """The panes as they were before the request (after an error), the rest unchanged."""
+        rest = [gr.update()] * (MAX_PANES - self.n)
+        return [*before[: self.n], *rest, *[gr.update()] * MAX_PANES, gr.update(), "error", {}]
+
+
+def _last_user_message(hist: list[list[dict]]) -> str | None:
+    for h in hist:
+        users = [m["content"] for m in h if m["role"] == "user"]
+        if users:
+            return users[-1]
+    return None
+
+
+def _without_last_turn(h: list[dict], message: str) -> list[dict]:
+    """A pane's history without its last exchange for ``message`` (what Regenerate answers again)."""
+    user = {"role": "user", "content": message}
+    if len(h) >= 2 and h[-1]["role"] == "assistant" and h[-2] == user:
+        return h[:-2]
+    if h and h[-1] == user:
+        return h[:-1]
+    return h
+
+
+class Handlers:
+    """The callbacks of the UI's events, on top of one :class:`~lorarl.chat.session.ChatSession`.
+
+    Parameters are explicit (no ``*args``) where gradio must pass the request: it finds it by the annotation.
+    """
+
+    def __init__(self, session: ChatSession):
+        self.session = session
+        self.engine = session.engine
+        self.catalog = session.catalog
+
+    def status_line(self, extra: str = "") -> str:
+        return (extra + " · " if extra else "") + self.catalog.summary()
+
+    # ---- Send / Regenerate ----------------------------------------------------------------------------------
+    def on_send(
+        self, message, n, p0, p1, p2, p3, h0, h1, h2, h3, sys_p, temp, tp, mx, sd, rw, colj, request: gr.Request
+    ):
+        message = (message or "").strip()
+        if not message:
+            raise gr.Error("type a message first")
+        settings = (sys_p, temp, tp, mx, sd, rw, colj)
+        yield from self._stream(message, int(n), [p0, p1, p2, p3], [h0, h1, h2, h3], settings, request)
+
+    def on_regen(self, n, p0, p1, p2, p3, h0, h1, h2, h3, sys_p, temp, tp, mx, sd, rw, colj, request: gr.Request):
+        n = int(n)
+        hist = [plain_history(h) for h in (h0, h1, h2, h3)]
+        message = _last_user_message(hist[:n])
+        if message is None:
+            raise gr.Error("nothing to regenerate yet")
+        hist[:n] = [_without_last_turn(h, message) for h in hist[:n]]
+        settings = (sys_p, temp, tp, mx, sd, rw, colj)
+        yield from self._stream(message, n, [p0, p1, p2, p3], hist, settings, request)
+
+    def _check(self, panes: list[str], temp, tp, mx, sd, colj) -> tuple[GenerationConfig, int, dict]:
+        """The request's sampling settings, seed and reward columns, checked (and its panes known)."""
+        try:
+            generation, seed, columns = generation_from_ui(temp, tp, mx), check_seed(sd), parse_columns(colj)
+            for p in panes:
+                self.catalog.get(p)
+        except LorarlError as e:
+            raise gr.Error(str(e)) from None
+        return generation, seed, columns
+
+    def _stream(self, message: str, n: int, pick: list[str], hist: list, settings: Sequence, request: gr.Request):
+        """Answer ``message`` in the first ``n`` panes, yielding a frame each time their texts change."""
+        sys_p, temp, tp, mx, sd, rw, colj = settings
+        generation, seed, columns = self._check(pick[:n], temp, tp, mx, sd, colj)
+        hist = [plain_history(h) for h in hist]
+        before = [list(h) for h in hist]
+        convs = [system_messages(sys_p) + hist[i] + [{"role": "user", "content": message}] for i in range(n)]
+        for i in range(n):
+            hist[i] = hist[i] + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        frames = _Frames(n, hist, {"system": sys_p or "", "panes": list(pick[:n])})
+        stop_ev = self.session.stop_event(_session_id(request))
+        job = _Job(self.engine, list(pick[:n]), convs, stop_ev)
+        t0 = time.monotonic()
+        job.start(generation, seed, rw, columns)
+        yield frames.frame(job.texts, "", GENERATING)
+        try:
+            for note in job.notes():
+                yield frames.frame(job.texts, gr.update(), note)
+            stopped = stop_ev.is_set()
+        finally:
+            stop_ev.set()  # a cancelled or disconnected request stops its generation
+        if job.error is not None:  # put the panes back as they were, then say what went wrong
+            yield frames.restore(before)
+            raise gr.Error(str(job.error))
+        for i, a in enumerate(job.answers):
+            job.texts[i] = a.text
+        ntok = sum(len(a.token_ids) for a in job.answers)
+        note = f"{'stopped' if stopped else 'done'}: {ntok} tokens in {time.monotonic() - t0:.1f} s"
+        reward_md = [r.markdown() for r in job.rewards] if job.rewards else None
+        yield frames.frame(job.texts, gr.update(), note, done=True, reward_md=reward_md)
+
+    # ---- the other controls ---------------------------------------------------------------------------------
+    def on_stop(self, request: gr.Request):
+        self.session.stop(_session_id(request))
+        return "stopped"
+
+    def on_clear(self):
+        return [[] for _ in range(MAX_PANES)] + ["" for _ in range(MAX_PANES)] + ["cleared", {}]
+
+    def on_pick(self, value):
+        try:
+            entry = self.engine.prepare(value)
+        except LorarlError as e:
+            raise gr.Error(str(e)) from None
+        return [], "", f"ready: {entry.label}"
+
+    def on_panes(self, n):
+        return [gr.Column(visible=i < int(n)) for i in range(MAX_PANES)]
+
+    def on_refresh(self, *picked):
+        self.catalog.scan()
+        new = self.catalog.choices()
+        valid = {c[1] for c in new}
+        picks = [gr.Dropdown(choices=new, value=v if v in valid else BASE_ID) for v in picked]
+        return [*picks, gr.Dropdown(choices=self.catalog.scorer_choices()), self.status_line("list refreshed")]
+
+    def vote_handler(self, verdict: str) -> Callable:
+        """The callback of a vote button: ``verdict`` (left | right | tie) on the two chosen panes' last answers."""
+
+        def on_vote(li, ri, tr, *hist):
+            li, ri = int(li) - 1, int(ri) - 1
+            if li == ri:
+                raise gr.Error("pick two different panes to compare")
+            tr = dict(tr or {})
+            panes = tr.get("panes") or []
+            if max(li, ri) >= len(panes):
+                raise gr.Error("those panes have not answered yet")
+            if tr.get("voted"):
+                raise gr.Error(f"already voted on this answer ({tr['voted']}); send or regenerate to vote again")
+            left, right = plain_history(hist[li]), plain_history(hist[ri])
+            try:
+                path = self.session.vote(verdict, tr.get("system", ""), left, right, panes[li], panes[ri])
+            except LorarlError as e:
+                raise gr.Error(str(e)) from None
+            what = "tie" if verdict == "tie" else f"pane {(li if verdict == 'left' else ri) + 1} preferred"
+            tr["voted"] = what
+            return f"saved vote ({what}) to `{path}`", tr
+
+        return on_vote
+
+
+def wire(w: Widgets, h: Handlers) -> None:
+    """Connect the components' events to the handlers (all private: not part of the client API)."""
+    p = w.panes
+    private = {"api_visibility": "private"}
+    settings = w.settings.inputs()
+    ask = [w.msg, w.n_panes, *p.pickers, *p.bots, *settings]
+    e_send = w.send.click(h.on_send, ask, w.outputs, **private)
+    e_submit = w.msg.submit(h.on_send, ask, w.outputs, **private)
+    e_regen = w.regen.click(h.on_regen, [w.n_panes, *p.pickers, *p.bots, *settings], w.outputs, **private)
+    w.stop.click(h.on_stop, None, w.status, cancels=[e_send, e_submit, e_regen], queue=False, **private)
+    w.clear.click(h.on_clear, None, [*p.bots, *p.rewards, w.status, w.turn], **private)
+    for picker, bot, reward in zip(p.pickers, p.bots, p.rewards):
+        picker.change(h.on_pick, picker, [bot, reward, w.status], **private)
+    w.n_panes.change(h.on_panes, w.n_panes, p.cols, **private)
+    w.refresh.click(h.on_refresh, p.pickers, [*p.pickers, w.settings.reward, w.status], **private)
+    for verdict in ("left", "right", "tie"):
+        inputs = [w.votes["left_pane"], w.votes["right_pane"], w.turn, *p.bots]
+        w.votes[verdict].click(h.vote_handler(verdict), inputs, [w.status, w.turn], **private)
