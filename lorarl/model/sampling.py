@@ -82,6 +82,51 @@ def use_clean_generation_config(model, eos_ids: list[int], pad_id: int) -> Any:
     return hub
 
 
+class TemperatureScaling:
+    """``scores / temperature`` as a logits processor (what transformers' TemperatureLogitsWarper does), placed
+    where lorarl puts it: after transformers' own processors and before :class:`SamplerLogprobs`."""
+
+    def __init__(self, temperature: float):
+        self.temperature = float(temperature)
+
+    def __call__(self, input_ids, scores):
+        return scores / self.temperature
+
+
+class SamplerLogprobs:
+    """Records the log-probability the sampler drew each token with: at every decode step it keeps
+    ``log_softmax(scores)`` of the final scores (after temperature; training rollouts use no top-k / top-p, so these
+    are the scores ``generate`` samples from) and, one step later, gathers the token that was drawn. Memory: one
+    ``[N, V]`` fp32 tensor at a time. :meth:`finish` gathers the last token from the generated ids.
+    """
+
+    def __init__(self) -> None:
+        self.gathered: list = []
+        self.last = None
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self.last is not None:
+            self.gathered.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))  # the token drawn last step
+        self.last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, completion_ids):
+        """``[N, T]`` fp32 log-probs of ``completion_ids`` (the new tokens ``generate`` returned), on CPU."""
+        import torch
+
+        cols = list(self.gathered)
+        T = completion_ids.shape[1]
+        if self.last is not None and len(cols) < T:
+            cols.append(
+                self.last.gather(1, completion_ids[:, len(cols) : len(cols) + 1].to(self.last.device)).squeeze(1)
+            )
+        out = torch.stack(cols[:T], dim=1).float().cpu() if cols else torch.zeros(completion_ids.shape[0], 0)
+        self.gathered, self.last = [], None
+        return out
+
+
 def generate_kwargs(
     *,
     greedy: bool,
@@ -91,9 +136,16 @@ def generate_kwargs(
     max_new_tokens: int,
     eos_ids: list[int],
     pad_id: int,
+    recorder: SamplerLogprobs | None = None,
 ) -> dict[str, Any]:
     """Every sampling field of a ``generate`` call, explicit: greedy decoding, or ``softmax(logits / temperature)``
-    optionally truncated by ``top_k`` / ``top_p`` (evaluation and chat only; training recipes keep 0 / 1)."""
+    optionally truncated by ``top_k`` / ``top_p`` (evaluation and chat only; training recipes keep 0 / 1).
+
+    The temperature is applied by lorarl's :class:`TemperatureScaling` (transformers' own warper is left at 1.0), so
+    a ``recorder`` placed after it sees the exact scores that are sampled from (refused with top-k / top-p, which
+    transformers applies after every custom processor)."""
+    from transformers import LogitsProcessorList
+
     kwargs: dict[str, Any] = {
         "max_new_tokens": int(max_new_tokens),
         "eos_token_id": list(eos_ids),
@@ -103,6 +155,38 @@ def generate_kwargs(
     }
     if greedy:
         kwargs.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
-    else:
-        kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+        if recorder is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([recorder])
+        return kwargs
+    if recorder is not None and (top_p < 1.0 or top_k > 0):
+        raise ValueError("sampler log-probs are recorded only without top-p / top-k (they apply after the recorder)")
+    kwargs.update(do_sample=True, temperature=1.0, top_p=float(top_p), top_k=int(top_k))
+    processors = [] if float(temperature) == 1.0 else [TemperatureScaling(temperature)]
+    if recorder is not None:
+        processors.append(recorder)
+    if processors:
+        kwargs["logits_processor"] = LogitsProcessorList(processors)
     return kwargs
+
+
+def generation_kwargs(
+    generation,
+    *,
+    greedy: bool,
+    eos_ids: list[int],
+    pad_id: int,
+    max_new_tokens: int | None = None,
+    recorder: SamplerLogprobs | None = None,
+) -> dict[str, Any]:
+    """:func:`generate_kwargs` from a recipe's :class:`lorarl.config.GenerationConfig` (``max_new_tokens``
+    overrides its own, e.g. for evaluation)."""
+    return generate_kwargs(
+        greedy=greedy,
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        max_new_tokens=max_new_tokens or generation.max_new_tokens,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        recorder=recorder,
+    )

@@ -1,7 +1,7 @@
 """Rollouts: sample completions with one role of the shared base and record what the update needs.
 
-One function, :func:`generate_rollout`: it repeats each prompt ``group_size`` times, samples every completion in
-one batched ``generate`` call (prompts left padded, so all completions start at the same column), builds the
+One function, :func:`generate_rollout`: it samples ``group_size`` completions of each prompt with a decode engine
+(:mod:`lorarl.rollout.engines`; prompts left padded, so all completions start at the same column), builds the
 completion mask from the generated ids (up to and including the first EOS, nothing after: pad may equal EOS),
 drops trailing all-pad columns, and records log-probs with dropout off, at the sampling temperature:
 
@@ -18,9 +18,9 @@ from torch import Tensor
 from lorarl.config import GenerationConfig
 from lorarl.model import SharedBase
 from lorarl.model.logprobs import completion_logprobs
-from lorarl.model.sampling import generate_kwargs
-from lorarl.model.tokens import completion_mask, pad_left, position_ids
+from lorarl.model.tokens import completion_mask, pad_left
 from lorarl.phases import phase
+from lorarl.rollout.engines import Engine, make_engine
 from lorarl.rollout.types import Rollout
 
 
@@ -40,22 +40,6 @@ def sequence_logprobs(
 
 
 @torch.no_grad()
-def prefill_cache(shared: SharedBase, input_ids: Tensor, attention_mask: Tensor):
-    """Run prompts ``[M, P']`` through the active role's decoder once (no logits) -> a ``DynamicCache`` of their
-    keys / values, with the same position ids ``generate`` uses for left-padded rows."""
-    from transformers import DynamicCache
-
-    out = shared.decoder()(
-        input_ids=input_ids.to(shared.device),
-        attention_mask=attention_mask.long().to(shared.device),
-        position_ids=position_ids(attention_mask).to(shared.device),
-        past_key_values=DynamicCache(),
-        use_cache=True,
-    )
-    return out.past_key_values
-
-
-@torch.no_grad()
 def generate_rollout(
     shared: SharedBase,
     prompts: list[list[int]],
@@ -69,6 +53,8 @@ def generate_rollout(
     reference: str | None = None,
     batch_size: int | None = None,
     prompt_index: list[int] | None = None,
+    record_sampler: bool = False,
+    engine: Engine | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt (token-id lists) with ``role`` and record log-probs.
 
@@ -76,50 +62,28 @@ def generate_rollout(
     ``record_old`` records ``old_logprobs`` with ``role``; ``reference`` (a role name, e.g. ``"reference"``)
     records ``ref_logprobs``. ``batch_size`` splits generation and scoring into chunks of rows (default: one
     ``generate`` call for everything). ``prompt_index`` labels the prompts (default ``0..len(prompts)-1``).
+    ``record_sampler`` keeps the log-prob the sampler drew each token with (``sampler_logprobs``, for the parity
+    health check). ``engine`` decodes (default: ``generation.engine``).
     """
     tok = shared.tokenizer
-    pad_id = shared.pad_id
-    eos_ids = shared.eos_ids
     index = prompt_index if prompt_index is not None else list(range(len(prompts)))
     rows = [p for p in prompts for _ in range(group_size)]  # [N] grouped: G copies of each prompt in a row
     row_index = [i for i in index for _ in range(group_size)]
-    prompt_ids, prompt_mask = pad_left(rows, pad_id)
-    kwargs = generate_kwargs(
-        greedy=greedy,
-        temperature=generation.temperature,
-        top_p=generation.top_p,
-        top_k=generation.top_k,
-        max_new_tokens=max_new_tokens or generation.max_new_tokens,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-    )
-    n = len(rows)
-    P = prompt_ids.shape[1]
-    chunks = []
+    prompt_ids, prompt_mask = pad_left(rows, shared.pad_id)
+    engine = engine or make_engine(generation.engine)
     with phase("generation"), shared.role(role, train=False):
-        if group_size > 1 and P > 1 and batch_size is None:
-            # The G copies of a prompt share their prefix: run the prompt once, copy its KV cache G times, and let
-            # generate() continue from it (it computes only the last prompt token). Prefill work drops G-fold.
-            unique_ids, unique_mask = pad_left(prompts, pad_id)  # [M, P]
-            cache = prefill_cache(shared, unique_ids[:, :-1], unique_mask[:, :-1])
-            cache.batch_repeat_interleave(group_size)
-            ids, mask = prompt_ids.to(shared.device), prompt_mask.long().to(shared.device)
-            out = shared.generate(ids, mask, past_key_values=cache, **kwargs)
-            chunks.append((0, out[:, P:].cpu()))
-        else:
-            step = batch_size or n
-            for s in range(0, n, step):
-                ids, mask = (
-                    prompt_ids[s : s + step].to(shared.device),
-                    prompt_mask[s : s + step].long().to(shared.device),
-                )
-                out = shared.generate(ids, mask, **kwargs)
-                chunks.append((s, out[:, P:].cpu()))
-    width = max(c.shape[1] for _, c in chunks)
-    completion_ids = torch.full((n, max(width, 1)), pad_id, dtype=torch.long)  # [N, T] right padded
-    for s, c in chunks:
-        completion_ids[s : s + c.shape[0], : c.shape[1]] = c
-    mask, truncated = completion_mask(completion_ids, eos_ids)
+        sampled = engine.sample(
+            shared,
+            prompts,
+            group_size,
+            generation,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+            record_logprobs=record_sampler,
+            batch_size=batch_size,
+        )
+    completion_ids = sampled.completion_ids
+    mask, truncated = completion_mask(completion_ids, shared.eos_ids)
     T = max(int(mask.sum(dim=1).max()), 1)  # drop trailing columns that are padding in every row
     completion_ids, mask = completion_ids[:, :T], mask[:, :T]
     texts = tok.batch_decode([ids[m].tolist() for ids, m in zip(completion_ids, mask)], skip_special_tokens=True)
@@ -133,6 +97,8 @@ def generate_rollout(
         prompt_index=row_index,
         group_size=group_size,
     )
+    if sampled.sampler_logprobs is not None:
+        rollout.sampler_logprobs = sampled.sampler_logprobs[:, :T].masked_fill(~mask, 0.0)
     with phase("scoring"):
         if record_old:
             rollout.old_logprobs = sequence_logprobs(shared, role, rollout, generation.temperature, batch_size)

@@ -21,6 +21,7 @@ class Rollout:
     prompt_index:    ``N`` indices of each row's prompt in the prompt list given (each repeated ``G`` times).
     old_logprobs:    ``[N, T]`` fp32 log-probs of the completion tokens under the sampling policy, or None.
     ref_logprobs:    ``[N, T]`` fp32 log-probs under the reference, or None.
+    sampler_logprobs: ``[N, T]`` fp32 log-probs the sampler drew each token with (0 outside the mask), or None.
     group_size:      ``G``.
     """
 
@@ -34,6 +35,7 @@ class Rollout:
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     group_size: int = 1
+    sampler_logprobs: Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

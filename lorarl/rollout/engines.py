@@ -1,0 +1,139 @@
+"""Decode engines: what turns prompts into sampled completions for a rollout, behind one interface.
+
+An engine samples ``group_size`` completions per prompt with the active role of the shared base and returns the
+generated ids (right padded) and, when asked, the log-probability the sampler drew each token with (the parity
+health check compares it with what the trainer computes). ``generation.engine`` picks one:
+
+* ``hf`` (:class:`HFEngine`): transformers' ``generate`` through PEFT, each prompt prefilled once for its ``G``
+  samples (its KV cache copied ``G`` times), every sampling field explicit (:mod:`lorarl.model.sampling`).
+
+Engines are registered in :data:`ENGINES` by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lorarl.config import GenerationConfig
+from lorarl.model import SharedBase
+from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
+from lorarl.model.tokens import pad_left, position_ids
+
+
+@dataclass
+class Sampled:
+    """What an engine returns for ``N`` rows (prompt ``i`` repeated ``G`` times, grouped).
+
+    completion_ids:   ``[N, T]`` long, the new tokens, padded after each row's end with the pad id.
+    sampler_logprobs: ``[N, T]`` fp32 log-prob each token was drawn with, or None when not recorded.
+    """
+
+    completion_ids: Tensor
+    sampler_logprobs: Tensor | None = None
+
+
+class Engine(Protocol):
+    """Samples completions with the active role (called inside ``shared.role(...)``, no grad)."""
+
+    name: str
+
+    def sample(
+        self,
+        shared: SharedBase,
+        prompts: list[list[int]],
+        group_size: int,
+        generation: GenerationConfig,
+        *,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        record_logprobs: bool = False,
+        batch_size: int | None = None,
+    ) -> Sampled:
+        """``group_size`` completions of each prompt (token-id lists), sampled with ``generation``'s temperature /
+        top-p / top-k (or greedily), at most ``max_new_tokens`` (default ``generation.max_new_tokens``);
+        ``batch_size`` rows per decode batch (default: all)."""
+        ...
+
+
+@torch.no_grad()
+def prefill_cache(shared: SharedBase, input_ids: Tensor, attention_mask: Tensor):
+    """Run prompts ``[M, P']`` through the active role's decoder once (no logits) -> a ``DynamicCache`` of their
+    keys / values, with the same position ids ``generate`` uses for left-padded rows."""
+    from transformers import DynamicCache
+
+    out = shared.decoder()(
+        input_ids=input_ids.to(shared.device),
+        attention_mask=attention_mask.long().to(shared.device),
+        position_ids=position_ids(attention_mask).to(shared.device),
+        past_key_values=DynamicCache(),
+        use_cache=True,
+    )
+    return out.past_key_values
+
+
+class HFEngine:
+    """transformers' ``generate`` (the reference implementation every other engine is tested against)."""
+
+    name = "hf"
+
+    def sample(
+        self,
+        shared: SharedBase,
+        prompts: list[list[int]],
+        group_size: int,
+        generation: GenerationConfig,
+        *,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        record_logprobs: bool = False,
+        batch_size: int | None = None,
+    ) -> Sampled:
+        pad_id = shared.pad_id
+        rows = [p for p in prompts for _ in range(group_size)]  # [N] grouped: G copies of each prompt in a row
+        prompt_ids, prompt_mask = pad_left(rows, pad_id)
+        n, P = len(rows), prompt_ids.shape[1]
+        recorder = SamplerLogprobs() if record_logprobs else None
+        kwargs = generation_kwargs(
+            generation,
+            greedy=greedy,
+            eos_ids=shared.eos_ids,
+            pad_id=pad_id,
+            max_new_tokens=max_new_tokens,
+            recorder=recorder,
+        )
+        chunks: list[tuple[int, Tensor, Tensor | None]] = []
+        if group_size > 1 and P > 1 and batch_size is None:
+            # The G copies of a prompt share their prefix: run the prompt once, copy its KV cache G times, and let
+            # generate() continue from it (it computes only the last prompt token). Prefill work drops G-fold.
+            unique_ids, unique_mask = pad_left(prompts, pad_id)  # [M, P]
+            cache = prefill_cache(shared, unique_ids[:, :-1], unique_mask[:, :-1])
+            cache.batch_repeat_interleave(group_size)
+            ids, mask = prompt_ids.to(shared.device), prompt_mask.long().to(shared.device)
+            out = shared.generate(ids, mask, past_key_values=cache, **kwargs)[:, P:]
+            chunks.append((0, out.cpu(), recorder.finish(out) if recorder else None))
+        else:
+            step = batch_size or n
+            for s in range(0, n, step):
+                ids, mask = prompt_ids[s : s + step].to(shared.device), prompt_mask[s : s + step].long()
+                out = shared.generate(ids, mask.to(shared.device), **kwargs)[:, P:]
+                chunks.append((s, out.cpu(), recorder.finish(out) if recorder else None))
+        width = max(max(c.shape[1] for _, c, _ in chunks), 1)
+        completion_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [N, T] right padded
+        logprobs = torch.zeros(n, width) if recorder is not None else None
+        for s, c, lp in chunks:
+            completion_ids[s : s + c.shape[0], : c.shape[1]] = c
+            if lp is not None:
+                logprobs[s : s + lp.shape[0], : lp.shape[1]] = lp
+        return Sampled(completion_ids, logprobs)
+
+
+ENGINES: dict[str, type] = {"hf": HFEngine}
+
+
+def make_engine(name: str) -> Engine:
+    """The engine registered as ``name`` (``generation.engine``)."""
+    return ENGINES[name]()
