@@ -57,7 +57,9 @@ def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source:
     ecfg = recipe.eval
     source = source or reward_source(recipe, shared)
     # generated held-out sets grow to n (their first rows do not change); files are read whole
-    prompts = load_prompts(recipe.data, shared.tokenizer, "eval", size=max(n, recipe.data.eval_size))
+    prompts = load_prompts(
+        recipe.data, shared.tokenizer, "eval", size=max(n, recipe.data.eval_size), recipe_path=recipe.source_path
+    )
     k = min(n, len(prompts))
     completions, totals, rms, lengths, truncated, rule_scores = [], [], [], [], [], []
     failures: dict[str, str] = {}

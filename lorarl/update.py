@@ -9,7 +9,6 @@ dropped, the weights and the optimizer state are not touched, and the result say
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ class StepResult:
     micro_batches: how many micro-batches ran.
     stats:        the loss function's stats, each ``sum / count`` over the micro-batches.
     lr:           learning rate used.
+    held:         True when ``hold`` held the update back (PPO's approx-KL early stop; weights untouched).
     """
 
     loss: float
@@ -43,6 +43,7 @@ class StepResult:
     micro_batches: int
     stats: dict[str, float] = field(default_factory=dict)
     lr: float = 0.0
+    held: bool = False
 
 
 def micro_batches(n: int, size: int) -> Iterator[slice]:
@@ -64,13 +65,15 @@ def optimizer_step(
     loss_fn: LossFn,
     *,
     max_grad_norm: float | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    hold: Callable[[dict[str, float]], bool] | None = None,
 ) -> StepResult:
     """Accumulate gradients of ``loss_fn`` over ``batches`` (backward per micro-batch), then clip the total norm to
-    ``max_grad_norm`` and take one optimizer step (and one scheduler step).
+    ``max_grad_norm`` and take one optimizer step. LR schedules are stepped by the caller, once per RL step.
 
     A non-finite micro-batch loss stops the accumulation; a non-finite loss or gradient norm skips the optimizer
-    step (the scheduler still steps, so the LR follows the step count) and returns ``skipped=True``.
+    step and returns ``skipped=True``. ``hold(stats)`` is asked with the batch's stats before the step: True holds
+    the update back (``held=True``, weights and optimizer state untouched) -- PPO's early stop on the approx KL of
+    the minibatch about to be applied.
     """
     optimizer.zero_grad(set_to_none=True)
     lr = float(optimizer.param_groups[0]["lr"])
@@ -98,18 +101,15 @@ def optimizer_step(
         finite = math.isfinite(grad_norm) and _grads_finite(params)
     if not finite:
         optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
-                warnings.simplefilter("ignore", UserWarning)
-                scheduler.step()
         return StepResult(total_loss, grad_norm, True, n_micro, stats_out, lr)
+    if hold is not None and hold(stats_out):
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr, held=True)
     if max_grad_norm is not None and grad_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(grad_norm))
     with phase("optimizer"):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
-        scheduler.step()
     return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr)
 
 
@@ -126,7 +126,7 @@ def optimizer_step_halving(
     loss_fn: LossFn,
     *,
     max_grad_norm: float | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    hold: Callable[[dict[str, float]], bool] | None = None,
     on_halve: Callable[[int, int], None] | None = None,
 ) -> tuple[StepResult, int]:
     """:func:`optimizer_step` over ``make_batches(micro_batch_size)`` (the micro-batches of one batch split into
@@ -147,7 +147,7 @@ def optimizer_step_halving(
                 make_batches(size),
                 loss_fn,
                 max_grad_norm=max_grad_norm,
-                scheduler=scheduler,
+                hold=hold,
             )
             return result, size
         except (RuntimeError, MemoryError) as err:

@@ -1,4 +1,5 @@
-"""Prompt data: the arithmetic generator (disjoint, seeded splits), .jsonl and datasets folders, validation."""
+"""Prompt data: the arithmetic generator (disjoint, seeded splits), .jsonl and datasets folders, validation (more
+source types and the column mapping: tests/test_sources.py)."""
 
 from __future__ import annotations
 
@@ -128,9 +129,11 @@ def test_no_usable_rows_and_unreadable_files(tmp_path, tok):
         read_rows(DataConfig(source=str(broken)), "train")
     with pytest.raises(DataError, match="no such file"):
         read_rows(DataConfig(source=str(tmp_path / "missing.jsonl")), "train")
-    (tmp_path / "x.csv").write_text("prompt\nhi\n")
+    (tmp_path / "x.csv").write_text("prompt\nhi\n")  # csv is read by datasets now (tests/test_sources.py)
+    assert read_rows(DataConfig(source=str(tmp_path / "x.csv")), "train")[0] == [{"prompt": "hi"}]
+    (tmp_path / "x.txt").write_text("prompt\nhi\n")
     with pytest.raises(DataError, match="expected `arithmetic`"):
-        read_rows(DataConfig(source=str(tmp_path / "x.csv")), "train")
+        read_rows(DataConfig(source=str(tmp_path / "x.txt")), "train")
 
 
 def test_datasets_folder_with_splits(tmp_path, tok):
@@ -151,5 +154,6 @@ def test_datasets_folder_with_splits(tmp_path, tok):
     single.save_to_disk(str(tmp_path / "one"))
     ps = load_prompts(DataConfig(source=str(tmp_path / "one")), tok, "train")
     assert ps.texts[0].endswith("<|im_start|>assistant\n")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="not a folder saved with datasets"):
-        read_rows(DataConfig(source=str(tmp_path)), "train")
+        read_rows(DataConfig(source=str(tmp_path / "empty")), "train")

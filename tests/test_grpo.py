@@ -311,3 +311,124 @@ def test_auto_micro_batch_takes_the_planners_pick_capped_by_rows():
     assert micro_batch_rows("auto", 5, 24) == 5
     assert micro_batch_rows("auto", 100, None) == 16
     assert micro_batch_rows(4, 100, 24) == 4
+
+
+def _first_ratios(monkeypatch, module) -> list:
+    """Spy on ``module.ppo_clip_loss``: the ratios ``exp(logprobs - old)`` on the mask of each call, in order."""
+    seen: list = []
+    real = module.ppo_clip_loss
+
+    def spy(logprobs, old, adv, mask, *args, **kwargs):
+        seen.append(torch.exp(logprobs.detach() - old)[mask.bool()])
+        return real(logprobs, old, adv, mask, *args, **kwargs)
+
+    monkeypatch.setattr(module, "ppo_clip_loss", spy)
+    return seen
+
+
+def trained_adapter(model_dir, folder, dropout: float = 0.1, r: int = 8):
+    """A PEFT adapter folder with non-zero (random) LoRA weights: a fresh adapter's B = 0 hides dropout."""
+    from lorarl.config import LoraSettings
+
+    sb = SharedBase.load(ModelConfig(name=str(model_dir), quantization="none", dtype="float32"))
+    sb.add_adapter("policy", LoraSettings(r=r, alpha=2 * r, dropout=dropout))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in sb.adapter_parameters("policy"):
+            p.copy_(torch.randn_like(p) * 0.3)
+    return sb.save_adapter("policy", folder)
+
+
+def test_lora_dropout_does_not_bias_the_first_ratio(peaky_model_dir, reward_file, monkeypatch, tmp_path):
+    """Old log-probs are recorded without dropout and the update's forward runs without it too: with
+    lora.dropout 0.1 and num_iterations 2 the first iteration's ratio is 1 (it was 0.71-1.10 with dropout on)."""
+    from lorarl.algos.grpo import GRPO
+
+    init = trained_adapter(peaky_model_dir, tmp_path / "init", dropout=0.1)
+    recipe = tiny_recipe(
+        peaky_model_dir,
+        reward_file,
+        model={"init_adapter": str(init)},
+        lora={"dropout": 0.1},
+        grpo={"group_size": 4, "num_iterations": 2},
+    )
+    seen = _first_ratios(monkeypatch, grpo)
+    algo = GRPO(recipe, SharedBase.load(recipe.model))
+    torch.manual_seed(0)
+    algo.step(algo.batch(1))
+    assert seen and len(seen[0]) > 10
+    torch.testing.assert_close(seen[0], torch.ones_like(seen[0]), rtol=0, atol=1e-5)
+    assert recipe.lora.dropout == 0.1 and any(p > 0 for p in _dropout_ps(algo.shared))
+
+
+def _dropout_ps(shared) -> list[float]:
+    return [m.p for m in shared.module.modules() if isinstance(m, torch.nn.Dropout)]
+
+
+def _spy_losses(monkeypatch):
+    """Spy on grpo.grpo_loss: (advantages [N], old_logprobs present, ratios on the mask) of every call."""
+    calls: list = []
+    real = grpo.grpo_loss
+
+    def spy(rows, **kw):
+        loss, stats = real(rows, **kw)
+        calls.append(dict(adv=kw["advantages"].clone(), old=kw["rollout"].old_logprobs is not None, stats=stats))
+        return loss, stats
+
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    return calls
+
+
+def test_num_iterations_two_replays_the_rollout_against_recorded_old_logprobs(
+    peaky_model_dir, reward_file, monkeypatch, tmp_path
+):
+    """Through the run loop: with num_iterations 2 each RL step records old log-probs at rollout and takes two
+    optimizer steps on the same rollout; the first sees ratio 1 (approx KL 0), the second a moved policy."""
+    recipe = tiny_recipe(
+        peaky_model_dir,
+        reward_file,
+        train={"steps": 2, "prompts_per_step": 2, "micro_batch_size": 16, "learning_rate": 5e-2},
+        grpo={"group_size": 4, "num_iterations": 2, "loss_reduction": "token_mean"},
+    )
+    calls = _spy_losses(monkeypatch)
+    train(recipe, tmp_path / "run")
+    assert len(calls) >= 2 and all(c["old"] for c in calls)  # old log-probs were recorded
+    per_step = [calls[i : i + 2] for i in range(0, len(calls), 2)]
+    for first, second in per_step:
+        assert torch.equal(first["adv"], second["adv"])  # the same rollout, replayed
+        assert first["stats"]["approx_kl"][0] == pytest.approx(0.0, abs=1e-6)
+        assert second["stats"]["approx_kl"][0] > 1e-6
+
+
+@pytest.mark.parametrize("scaling", ["group", "batch", "none"])
+def test_std_scaling_through_the_loop(scaling, peaky_model_dir, reward_file, monkeypatch, tmp_path):
+    """The advantages the loss sees are the formula's, from the rewards of the step (population std, eps 1e-4)."""
+    recipe = tiny_recipe(
+        peaky_model_dir,
+        reward_file,
+        train={"steps": 1, "prompts_per_step": 3},
+        grpo={"group_size": 4, "std_scaling": scaling},
+        generation={"max_new_tokens": 6},
+    )
+    seen = {}
+    real_adv = grpo.group_advantages
+
+    def spy_adv(rewards, *a, **kw):
+        seen["rewards"] = rewards.clone()
+        return real_adv(rewards, *a, **kw)
+
+    monkeypatch.setattr(grpo, "group_advantages", spy_adv)
+    calls = _spy_losses(monkeypatch)
+    train(recipe, tmp_path / "run")
+    r = seen["rewards"].double().view(3, 4)
+    mu = r.mean(dim=1, keepdim=True)
+    if scaling == "group":
+        want = (r - mu) / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-4)
+        want[r.std(dim=1, unbiased=False) == 0] = 0.0
+    elif scaling == "batch":
+        want = (r - mu) / (r.std(unbiased=False) + 1e-4)
+    else:
+        want = r - mu
+    want[(r == mu).all(dim=1)] = 0.0  # zero-spread groups: exactly 0
+    assert calls, "no group had a reward spread (nothing trained)"
+    torch.testing.assert_close(calls[0]["adv"].double(), want.flatten(), rtol=1e-5, atol=1e-6)

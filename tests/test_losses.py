@@ -1,5 +1,6 @@
 """Tests for lorarl.core.losses against hand-computed values, torch.distributions and Monte-Carlo estimates."""
 
+import functools
 import math
 
 import pytest
@@ -369,3 +370,27 @@ def test_losses_do_not_modify_arguments():
     reduce_loss(lp, m, "token_mean", total_sequences=1, total_tokens=1, max_len=2)
     for a, b in zip((lp, old, adv, m), saved, strict=True):
         torch.testing.assert_close(a, b, equal_nan=True)
+
+
+def test_batch_totals_leave_out_rows_without_a_token():
+    from lorarl.core.losses import batch_totals
+
+    assert batch_totals(torch.tensor([[1, 1], [0, 0], [1, 0]])) == (2, 3)
+    assert batch_totals(torch.zeros(2, 3)) == (1, 1)  # nothing to learn: a zero loss, no division by zero
+
+
+def test_a_masked_out_row_does_not_shrink_the_sequence_mean():
+    """DAPO's overlong filtering masks truncated rows; the GRPO sequence mean is over the rows that remain
+    (hand values), and micro-batches (one holding only the masked row) still sum to the batch loss."""
+    from lorarl.core.losses import batch_totals
+
+    loss = torch.tensor([[1.0, 3.0], [7.0, 7.0], [5.0, 0.0]])
+    m = torch.tensor([[True, True], [False, False], [True, False]])  # row 1 truncated and masked
+    seqs, toks = batch_totals(m)
+    kw = dict(total_sequences=seqs, total_tokens=toks, max_len=4)
+    close = functools.partial(torch.testing.assert_close, rtol=0, atol=1e-6)
+    close(reduce_loss(loss, m, "seq_mean_token_mean", **kw), torch.tensor((2.0 + 5.0) / 2))  # not / 3
+    close(reduce_loss(loss, m, "token_mean", **kw), torch.tensor(9.0 / 3))
+    close(reduce_loss(loss, m, "seq_sum_norm", **kw), torch.tensor(9.0 / (2 * 4)))
+    parts = sum(reduce_loss(loss[r], m[r], "seq_mean_token_mean", **kw) for r in ([0], [1], [2]))
+    close(parts, torch.tensor(3.5))

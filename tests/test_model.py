@@ -287,3 +287,79 @@ def test_nf4_path_runs_through_real_bitsandbytes(tiny_model_dir):
         (-(lp * mask[:, 1:]).sum()).backward()
     assert torch.isfinite(lp).all()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
+# ------------------------------------------------------------------ logits as the model's own forward makes them
+
+
+def _tiny_of(kind: str, folder, tok_dir):
+    """A tiny random model of an architecture that transforms its logits after the output layer."""
+    import transformers
+
+    from lorarl.model import load_tokenizer
+
+    tok = load_tokenizer(str(tok_dir))
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(**common, final_logit_softcapping=2.0, query_pre_attn_scalar=16)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    elif kind == "cohere":
+        cfg = transformers.CohereConfig(**common, logit_scale=0.25)
+        model = transformers.CohereForCausalLM(cfg)
+    else:
+        cfg = transformers.GraniteConfig(**common, logits_scaling=4.0)
+        model = transformers.GraniteForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)  # large logits: the transform matters
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_logprobs_apply_the_models_own_logit_transform(kind, tmp_path, default_model_dir):
+    folder = _tiny_of(kind, tmp_path / kind, default_model_dir)
+    sb = SharedBase.load(ModelConfig(name=str(folder), quantization="none", dtype="float32"))
+    ids = torch.randint(5, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    with torch.no_grad(), sb.role("base"):
+        want = torch.log_softmax(sb.base(input_ids=ids, attention_mask=att).logits.float() / 0.7, dim=-1)
+        lp, _ = sb.token_logprobs(ids, att, 1, temperature=0.7)
+    want = want[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, want, rtol=0, atol=1e-5)
+    # without the transform the log-probs would be far off (what lorarl computed before)
+    with torch.no_grad(), sb.role("base"):
+        raw = sb.base.get_output_embeddings()(sb.hidden_states(ids, att)).float() / 0.7
+    raw_lp = torch.log_softmax(raw, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert float((raw_lp - want).abs().max()) > 0.1
+
+
+def test_a_model_with_an_unknown_logit_transform_is_refused(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.model import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    real_forward = model.forward
+
+    def doubled(*args, **kwargs):  # a model whose forward rescales its logits in a way lorarl does not know
+        out = real_forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+    model.forward = doubled
+    with pytest.raises(LorarlError, match="model type llama: its forward transforms the logits"):
+        SharedBase(model, load_tokenizer(str(tiny_model_dir)), ModelConfig(quantization="none"))

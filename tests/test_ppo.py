@@ -263,3 +263,155 @@ def test_eval_cli_prints_reward_mean_last(toy_run, tiny_model_dir, tmp_path, cap
         last = capsys.readouterr().out.strip().splitlines()[-1]
         result = json.loads(last)
         assert result["n"] == 4 and isinstance(result["reward_mean"], float) and "accuracy" in result
+
+
+# ------------------------------------------------------------------ the step's pieces, by hand
+
+
+@pytest.fixture()
+def ppo_algo(tiny_model_dir, tmp_path):
+    """A PPO algorithm on the tiny model and one rollout of 8 responses, phases 1-3 done by hand (fixed data)."""
+    from lorarl.algos.ppo import PPO
+
+    d = toy_recipe(tiny_model_dir, tmp_path, minibatch_size=4, epochs=3)
+    d["train"].update(prompts_per_step=8, micro_batch_size=2)
+    d["generation"]["temperature"] = 1.0
+    algo = PPO(recipe_from_dict(d), SharedBase.load(recipe_from_dict(d).model))
+    return algo
+
+
+def _fixed_batch(algo, ratio: float = 1.5):
+    """A PPOBatch whose old log-probs are the policy's own minus log(ratio): every ratio is exactly ``ratio``;
+    advantages alternate +1 / -1 by row; values = the critic's own, returns = values + 2."""
+    from lorarl.algos.ppo import critic_values
+    from lorarl.algos.ppo_losses import PPOBatch
+    from lorarl.rollout import generate_rollout
+
+    sb = algo.shared
+    torch.manual_seed(0)
+    r = generate_rollout(sb, [algo.prompts.token_ids[i] for i in range(8)], algo.recipe.generation, role="policy")
+    with torch.no_grad(), sb.role("policy"):
+        lp, _ = sb.token_logprobs(r.input_ids, r.attention_mask, r.prompt_ids.shape[1])
+    v = critic_values(sb, r.input_ids, r.attention_mask, r.prompt_ids.shape[1], 8)
+    adv = torch.tensor([1.0, -1.0] * 4)[:, None].expand_as(lp).clone()
+    m = r.completion_mask
+    return PPOBatch(r, m, lp - math.log(ratio), adv, v, v + 2.0)
+
+
+def test_policy_and_critic_losses_are_token_means_over_the_minibatch(ppo_algo):
+    """Hand values: every ratio 1.5, eps 0.2 -> A=+1 tokens lose -1.2 (clipped), A=-1 tokens +1.5 (unclipped);
+    the critic's error is 2 everywhere -> 0.5 * 2^2 = 2 per token, times vf_coef. Two micro-batches of a 4-row
+    minibatch, divided by the minibatch's tokens, sum to the minibatch loss."""
+    from lorarl.algos.ppo_losses import critic_loss, policy_loss
+
+    algo = ppo_algo
+    cfg = algo.recipe.ppo
+    batch = _fixed_batch(algo)
+    rows = torch.tensor([0, 1, 2, 3])
+    m = batch.mask[rows]
+    denom = (4, float(m.sum()))
+    want_policy = (-1.2 * float(m[[0, 2]].sum()) + 1.5 * float(m[[1, 3]].sum())) / denom[1]
+    total = 0.0
+    for part in (rows[:2], rows[2:]):
+        loss, stats = policy_loss(algo.shared, cfg, 1.0, batch, None, ("rl", part, denom))
+        total += float(loss)
+    assert total == pytest.approx(want_policy, abs=1e-5)
+    closs, _ = critic_loss(algo.shared, cfg, batch, ("rl", rows, denom))
+    assert float(closs) == pytest.approx(cfg.critic.vf_coef * 2.0, abs=1e-5)
+
+
+def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy(ppo_algo):
+    from lorarl.algos.ppo_losses import policy_loss
+    from lorarl.core.losses import entropy_from_logits
+
+    algo = ppo_algo
+    batch = _fixed_batch(algo)
+    rows = torch.arange(8)
+    denom = (8, float(batch.mask.sum()))
+    base, _ = policy_loss(algo.shared, algo.recipe.ppo, 1.0, batch, None, ("rl", rows, denom))
+    algo.recipe.ppo.entropy_coef = 0.3
+    bonus, stats = policy_loss(algo.shared, algo.recipe.ppo, 1.0, batch, None, ("rl", rows, denom))
+    r = batch.rollout
+    with torch.no_grad(), algo.shared.role("policy"):
+        logits = algo.shared.module(input_ids=r.input_ids, attention_mask=r.attention_mask).logits
+    ent = entropy_from_logits(logits[:, r.prompt_ids.shape[1] - 1 : -1].float())[batch.mask]
+    assert float(bonus) - float(base) == pytest.approx(-0.3 * float(ent.mean()), abs=1e-5)  # a bonus: lower loss
+    assert stats["entropy"][0] / stats["entropy"][1] == pytest.approx(float(ent.mean()), abs=1e-5)
+
+
+def test_ptx_term_is_coef_times_the_texts_mean_nll(ppo_algo, tmp_path):
+    from lorarl.algos.ppo_losses import policy_loss
+
+    algo = ppo_algo
+    tok = algo.shared.tokenizer
+    ptx = [tok("Two plus two is four.")["input_ids"], tok("The sky is blue today.")["input_ids"]]
+    algo.recipe.ppo.ptx.coef = 0.5
+    loss, stats = policy_loss(algo.shared, algo.recipe.ppo, 1.0, _fixed_batch(algo), ptx, ("ptx", [0, 1], None))
+    nll = []
+    for ids in ptx:
+        x = torch.tensor([ids])
+        with torch.no_grad(), algo.shared.role("policy"):
+            logits = algo.shared.module(input_ids=x).logits[0, :-1].float()
+        nll += (-torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)).tolist()
+    assert float(loss) == pytest.approx(0.5 * sum(nll) / len(nll), abs=1e-5)  # a token mean over both texts
+    assert stats["ptx_loss"][0] == pytest.approx(sum(nll) / len(nll), abs=1e-5)
+
+
+def test_early_stop_holds_the_update_that_would_pass_the_target(ppo_algo, monkeypatch):
+    """target_approx_kl tiny: the first minibatch (ratio 1, approx KL 0) is applied; the second one's approx KL is
+    measured before its update and, past the target, that update is held back -- policy and critic -- and the
+    epochs end. The LR schedule still advances once for the step."""
+    from lorarl.algos import ppo as ppo_mod
+
+    algo = ppo_algo
+    algo.recipe.ppo.target_approx_kl = 1e-9
+    calls = []
+    real = ppo_mod.optimizer_step_halving
+
+    def spy(params, optimizer, *a, **kw):
+        before = [p.detach().clone() for p in params]
+        res, size = real(params, optimizer, *a, **kw)
+        calls.append(
+            (optimizer is algo.policy.optimizer, res.held, any(not torch.equal(p, b) for p, b in zip(params, before)))
+        )
+        return res, size
+
+    monkeypatch.setattr(ppo_mod, "optimizer_step_halving", spy)
+    lr_sched = algo.policy.scheduler.last_epoch
+    row = algo.step(algo.batch(1))
+    # policy applied, critic applied, policy held (unchanged) -- then nothing more
+    assert calls == [(True, False, True), (False, False, True), (True, True, False)], calls
+    assert row["early_stop"] is True and row["updates"] == 1
+    assert algo.policy.scheduler.last_epoch == algo.critic.scheduler.last_epoch == lr_sched + 1
+
+
+def test_first_minibatch_ratio_is_one_with_lora_dropout(tiny_model_dir, tmp_path, monkeypatch):
+    from lorarl.algos import ppo_losses
+    from lorarl.algos.ppo import PPO
+
+    init = tmp_path / "init"
+    sb = SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32"))
+    sb.add_adapter("p", LoraSettings(r=8, alpha=16, dropout=0.1))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in sb.adapter_parameters("p"):
+            p.copy_(torch.randn_like(p) * 0.3)
+    sb.save_adapter("p", init)
+    d = toy_recipe(tiny_model_dir, tmp_path, minibatch_size=4)
+    d["model"]["init_adapter"] = str(init)
+    d["lora"]["dropout"] = 0.1
+    d["train"].update(prompts_per_step=8, micro_batch_size=4)
+    recipe = recipe_from_dict(d)
+    seen = []
+    real = ppo_losses.ppo_clip_loss
+
+    def spy(logprobs, old, adv, mask, *args):
+        seen.append(torch.exp(logprobs.detach() - old)[mask.bool()])
+        return real(logprobs, old, adv, mask, *args)
+
+    monkeypatch.setattr(ppo_losses, "ppo_clip_loss", spy)
+    algo = PPO(recipe, SharedBase.load(recipe.model))
+    torch.manual_seed(0)
+    algo.step(algo.batch(1))
+    assert len(seen[0]) > 10
+    torch.testing.assert_close(seen[0], torch.ones_like(seen[0]), rtol=0, atol=1e-5)

@@ -42,9 +42,9 @@ def rm_recipe(tiny_model_dir, tmp_path) -> dict:
         "model": {"name": str(tiny_model_dir), "quantization": "none", "dtype": "float32"},
         "lora": {"r": 8, "alpha": 16.0},
         "data": {"source": "train.jsonl", "eval_source": "eval.jsonl"},  # relative: beside the recipe
-        "reward_model": {"epochs": 3, "batch_size": 8, "center_coef": 0.001, "eval_every": 1},
+        "reward_model": {"epochs": 3, "batch_size": 8, "center_coef": 0.001},
         "train": {"steps": 16, "learning_rate": 1e-2, "micro_batch_size": 4, "save_every": 8, "seed": 0},
-        "eval": {"n": 32, "batch_size": 16},
+        "eval": {"n": 32, "batch_size": 16, "every": 1},
     }
 
 
@@ -63,7 +63,7 @@ def rm_run(tiny_model_dir, tmp_path_factory):
 
 def test_heldout_pairwise_accuracy_rises_well_above_chance(rm_run):
     _, run_dir, summary, rows = rm_run
-    acc = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
+    acc = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
     assert len(acc) == 16
     assert acc[-1] >= 0.9 and summary["pairwise_accuracy"] == acc[-1], acc
     assert acc[-1] > acc[0] or acc[0] >= 0.9
@@ -164,3 +164,62 @@ def test_length_grouped_scores_and_gradients_equal_one_padded_forward(tiny_model
     for a, b in zip(g_g, g_1):
         assert float(b.abs().max()) > 0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
+def test_one_eos_rule_a_response_is_scored_at_the_end_of_turn_id(tiny_model_dir, tmp_path):
+    """A model with two EOS ids (end-of-turn 2 and end-of-text 0): rollouts may stop at either; the reward model is
+    trained on responses ending with end-of-turn and a rollout ended by end-of-text is scored at end-of-turn too."""
+    import shutil
+
+    from lorarl.config import LoraSettings, ModelConfig
+    from lorarl.model import SharedBase
+    from lorarl.model.tokens import end_finished_with, with_end_of_turn
+    from lorarl.rewards.source import reward_model_scores
+
+    folder = tmp_path / "two-eos"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "generation_config.json").read_text())
+    cfg["eos_token_id"] = [2, 0]
+    (folder / "generation_config.json").write_text(json.dumps(cfg))
+    sb = SharedBase.load(ModelConfig(name=str(folder), quantization="none", dtype="float32"))
+    assert sb.eos_ids == [0, 2] and sb.end_of_turn_id == 2  # SmolLM2's template closes a turn with <|im_end|> (2)
+    assert with_end_of_turn([5, 0], sb.eos_ids, 2) == [5, 2] and with_end_of_turn([5], sb.eos_ids, 2) == [5, 2]
+    ids = torch.tensor([[7, 8, 0, 0], [7, 8, 9, 10]])
+    m = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool()
+    out = end_finished_with(ids, m, torch.tensor([False, True]), 2)
+    assert out.tolist() == [[7, 8, 2, 0], [7, 8, 9, 10]]
+    sb.add_adapter("reward", LoraSettings(r=4), head=True)
+    prompt = torch.tensor([[11, 12, 13]])
+    a = torch.cat([prompt, torch.tensor([[7, 8, 0]])], 1)
+    b = torch.cat([prompt, torch.tensor([[7, 8, 2]])], 1)
+    att = torch.ones_like(a)
+    sa, sb_ = reward_model_scores(sb, a, att, 4), reward_model_scores(sb, b, att, 4)
+    assert not torch.equal(sa, sb_)  # the raw scores differ: the reward model reads the final token
+    # a rollout that stopped at end-of-text is scored as if it had ended with end-of-turn
+    from lorarl.rewards.source import RewardSource
+    from lorarl.rollout import Rollout
+
+    saved = sb.save_adapter("reward", tmp_path / "rm" / "reward")
+    source = RewardSource(sb, "reward_model", [], adapter=str(saved.parent))
+    r = Rollout(
+        prompt_ids=prompt,
+        prompt_mask=torch.ones_like(prompt).bool(),
+        completion_ids=torch.tensor([[7, 8, 0]]),
+        completion_mask=torch.ones(1, 3).bool(),
+        truncated=torch.tensor([False]),
+        completions=["x"],
+        prompt_index=[0],
+    )
+    torch.testing.assert_close(source.score_rollout(None, r).reward_model, sb_, rtol=0, atol=0)
+
+
+def test_reward_model_pairs_end_with_the_end_of_turn_id(rm_run, tiny_model_dir):
+    from lorarl.algos.reward_model import load_pairs
+    from lorarl.config import load_recipe
+    from lorarl.model import SharedBase
+
+    recipe_path, _, _, _ = rm_run
+    recipe = load_recipe(recipe_path)
+    sb = SharedBase.load(recipe.model)
+    pairs = load_pairs(recipe, sb, "train")
+    assert {ids[-1] for ids in pairs.chosen_ids + pairs.rejected_ids} == {sb.end_of_turn_id}

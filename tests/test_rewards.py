@@ -24,6 +24,7 @@ from lorarl.rewards import (
     numeric_match,
     partial_credit,
 )
+from lorarl.rewards.builtins import math_match
 
 
 @pytest.mark.parametrize(
@@ -269,3 +270,89 @@ def test_call_with_timeout_in_a_thread_and_restores_outer_timer():
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
         assert not fired
+
+
+# ---- math-verify: the math reward and the task verifiers ----------------------------------------------------------
+
+MATH_EQUIVALENT = [
+    (r"so the answer is \boxed{\frac{1}{2}}", "0.5"),
+    ("1/2", r"\frac{1}{2}"),
+    ("The answer is $0.75$.", r"\frac{3}{4}"),
+    ("<think>48/2 = 24, 48 + 24 = 72</think><answer>72</answer>", "72"),
+    ("She sold 1,000 apples.", "1000"),
+    (r"\boxed{5\text{ cm}}", "5"),
+    (r"<answer>$2\sqrt{2}$</answer>", r"\sqrt{8}"),
+    ("It costs $18.00", "18"),
+    ([{"role": "assistant", "content": r"Final: \boxed{-4}"}], "-4"),
+]
+MATH_NOT_EQUIVALENT = [
+    (r"\boxed{\frac{1}{3}}", r"\frac{1}{2}"),
+    ("The answer is 71", "72"),
+    ("<think>it is 72</think><answer>70</answer>", "72"),  # the <answer> counts, not the reasoning
+    ("I do not know", "3"),
+    (r"\boxed{x + 1}", "x + 2"),
+    ("", "5"),
+]
+
+
+@pytest.mark.parametrize("completion, answer", MATH_EQUIVALENT)
+def test_math_match_accepts_equivalent_answers(completion, answer):
+    assert math_match(["p"], [completion], answer=[answer]) == [1.0]
+
+
+@pytest.mark.parametrize("completion, answer", MATH_NOT_EQUIVALENT)
+def test_math_match_rejects_different_answers(completion, answer):
+    assert math_match(["p"], [completion], answer=[answer]) == [0.0]
+
+
+def test_math_match_none_for_unreadable_gold_and_the_plain_numeric_check_differs():
+    assert math_match(["p"] * 3, ["12", "12", "12"], answer=[None, "", "12"]) == [None, None, 1.0]
+    with pytest.raises(ValueError, match="needs a dataset column 'answer'"):
+        math_match(["p"], ["1"])
+    # what the last-number check cannot see, math-verify can (and the other way round nothing is lost)
+    assert numeric_match(["p"], [r"\boxed{\frac{1}{2}}"], answer=["0.5"]) == [0.0]
+    assert math_match(["p"], [r"\boxed{\frac{1}{2}}"], answer=["0.5"]) == [1.0]
+    assert load_reward_fn("math_match") is math_match
+
+
+def test_math_match_keeps_the_reward_timer_running():
+    """math-verify's own alarms would cancel the reward's SIGALRM timer; lorarl puts it back after each answer."""
+    assert math_match(["p"], ["1/2"], answer=["0.5"]) == [1.0]  # math-verify imported: the timer below meets it
+    t0 = time.monotonic()
+    with pytest.raises(RewardTimeout):
+        call_with_timeout(lambda: (math_match(["p"], ["1/2"], answer=["0.5"]), time.sleep(3)), 0.5)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_math_match_times_out_one_answer_as_wrong(monkeypatch):
+    import math_verify.grader
+
+    real_eq = math_verify.grader.sympy_expr_eq
+
+    def slow_eq(gold, target, *a, **kw):
+        if float(target) == 7.0:
+            while True:  # pure Python: math-verify's SIGALRM timer interrupts it
+                pass
+        return real_eq(gold, target, *a, **kw)
+
+    monkeypatch.setattr(math_verify.grader, "sympy_expr_eq", slow_eq)
+    t0 = time.monotonic()
+    # inside a reward's 20 s limit: the slow answer is wrong after ~1 s, the other is checked, the outer timer survives
+    out = call_with_timeout(lambda: math_match(["p"] * 2, ["7.0", "8"], answer=["7", "8"], item_timeout_s=1), 20)
+    assert out == [0.0, 1.0] and time.monotonic() - t0 < 5.0
+    with pytest.raises(RewardTimeout):
+        call_with_timeout(lambda: (math_match(["p"], ["7.0"], answer=["7"], item_timeout_s=1), time.sleep(5)), 2)
+
+
+def test_accuracy_comes_from_the_recipes_verifier():
+    from lorarl.config import DataConfig, Recipe
+    from lorarl.tasks import VERIFIERS, accuracy
+
+    completions = [r"\boxed{\frac{1}{2}}", "0.5", "no idea", "x"]
+    columns = {"answer": ["0.5", "0.5", "0.5", None]}  # the None row is left out of the accuracy
+    numeric, math_ = Recipe(data=DataConfig()), Recipe(data=DataConfig(verifier="math"))
+    assert accuracy(numeric, completions, columns) == pytest.approx(1 / 3)  # the last number of "\frac{1}{2}" is 2
+    assert accuracy(math_, completions, columns) == pytest.approx(2 / 3)
+    assert accuracy(numeric, completions, {}) is None
+    assert accuracy(numeric, ["1"], {"answer": [None]}) is None
+    assert set(VERIFIERS) == {"numeric", "math"}

@@ -224,19 +224,40 @@ def _toy():
 def test_nan_loss_skips_without_touching_weights_or_optimizer():
     w, opt = _toy()
     before = w.detach().clone()
-    sch = make_scheduler(opt, "linear", 0, 10)
     res = optimizer_step(
         [w],
         opt,
         [0, 1],
         lambda b: ((w * float("nan")).sum() if b == 1 else w.sum(), {}),
         max_grad_norm=1.0,
-        scheduler=sch,
     )
     assert res.skipped and res.micro_batches == 2 and math.isnan(res.loss)
     assert torch.equal(w, before) and w.grad is None
     assert not opt.state  # Adam moments never created
-    assert sch.last_epoch == 1  # the schedule follows the step count
+
+
+def test_a_held_update_leaves_weights_and_optimizer_untouched():
+    """PPO's early stop: ``hold`` sees the batch's stats before the step; True keeps the weights as they were."""
+    w, opt = _toy()
+    before = w.detach().clone()
+    seen = []
+    res = optimizer_step(
+        [w], opt, [0], lambda b: ((w**2).sum(), {"approx_kl": (0.3, 1.0)}), hold=lambda st: seen.append(st) or True
+    )
+    assert res.held and not res.skipped and seen == [{"approx_kl": 0.3}]
+    assert torch.equal(w, before) and w.grad is None and not opt.state
+    res = optimizer_step([w], opt, [0], lambda b: ((w**2).sum(), {"approx_kl": (0.0, 1.0)}), hold=lambda st: False)
+    assert not res.held and not torch.equal(w, before)
+
+
+def test_the_schedule_advances_once_per_step_even_when_no_update_ran():
+    from lorarl.core.schedules import advance
+
+    w, opt = _toy()
+    sch = make_scheduler(opt, "linear", 0, 4)
+    for _ in range(2):  # two RL steps whose updates were all skipped
+        advance(sch)
+    assert sch.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)
 
 
 def test_inf_gradient_with_finite_loss_skips():

@@ -6,6 +6,7 @@ An algorithm (GRPO, PPO, the reward model, SFT, ...) is a plain class with this 
 * ``batch(step) -> Batch``: the data of step ``step``, derived from ``(seed, step)`` so a resumed run sees the same;
 * ``step(batch) -> metrics``: one step of the algorithm, written top to bottom in numbered steps;
 * ``state_dict()`` / ``load_state_dict()``: what a checkpoint must hold beyond adapters, optimizers and RNGs;
+* ``evaluate() -> metrics``: the held-out evaluation the loop runs every ``eval.every`` steps (``eval/...``);
 * ``finish(run_dir, history) -> summary``: the final adapters and the algorithm's part of the run summary.
 
 :func:`lorarl.algos.loop.train` does the rest (run directory, seeds, resume, checkpoints, metrics, evaluation,
@@ -32,7 +33,9 @@ class Algorithm(Protocol):
 
     name: ClassVar[str]
     plot_panels: ClassVar[tuple]
-    roles: list[str]  # the adapters this algorithm trains: saved in checkpoints and at the end
+    roles: list[str]  # the adapters a checkpoint holds (trained ones and a refreshed reference)
+    outputs: list[str]  # the adapters the run produces: saved at the end and in DIR/best (the first is watched)
+    final_eval: bool  # evaluate at the last step even when eval.every is 0
     optimizers: dict[str, torch.optim.Optimizer]
     schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
     total_steps: int  # steps of the run (train.steps, or fewer when an epoch limit comes first)
@@ -46,6 +49,8 @@ class Algorithm(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    def evaluate(self) -> dict: ...
+
     def finish(self, run_dir, history: list[dict]) -> dict: ...
 
 
@@ -58,12 +63,14 @@ class TrainedRole:
     scheduler: torch.optim.lr_scheduler.LambdaLR
 
 
-def trained_role(shared, role: str, tcfg: TrainConfig, total_updates: int, lr: float | None = None) -> TrainedRole:
+def trained_role(shared, role: str, tcfg: TrainConfig, total_steps: int, lr: float | None = None) -> TrainedRole:
     """AdamW over ``role``'s adapter + head (``lr`` or ``train.learning_rate``) with ``train.lr_scheduler``, whose
-    schedule spans ``total_updates`` optimizer steps (warm-up ``train.warmup_steps`` of them)."""
+    schedule spans ``total_steps`` RL steps (warm-up ``train.warmup_steps`` of them): the algorithm advances it
+    once per step (:func:`lorarl.core.schedules.advance`), so every update of a step uses that step's LR whatever
+    happened to the step's updates (PPO's early stop, skipped non-finite updates)."""
     params = shared.trainable_parameters(role)
     opt = torch.optim.AdamW(params, lr=lr or tcfg.learning_rate, weight_decay=tcfg.weight_decay)
-    sched = make_scheduler(opt, tcfg.lr_scheduler, tcfg.warmup_steps, total_updates)
+    sched = make_scheduler(opt, tcfg.lr_scheduler, tcfg.warmup_steps, total_steps)
     return TrainedRole(params, opt, sched)
 
 
@@ -110,7 +117,7 @@ def load_train_prompts(recipe: Recipe, tokenizer):
     """The training prompts; skipped bad rows (``data.on_bad_row: skip``) are reported on stderr."""
     from lorarl.data import load_prompts
 
-    prompts = load_prompts(recipe.data, tokenizer, "train")
+    prompts = load_prompts(recipe.data, tokenizer, "train", recipe_path=recipe.source_path)
     for i, why in prompts.skipped[:5]:
         print(f"data: skipped row {i}: {why}", file=sys.stderr)
     if prompts.skipped:
@@ -126,3 +133,12 @@ def tail_mean(history: Sequence[dict], key: str, k: int = 10, head: bool = False
     rows = history[:k] if head else history[-k:]
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return sum(vals) / len(vals) if vals else None
+
+
+def evaluate_policy(algo, role: str = "policy") -> dict:
+    """A policy algorithm's held-out evaluation during training: greedy, scored like training, ``eval/``-prefixed
+    (:func:`lorarl.evaluate.evaluate_role`)."""
+    from lorarl.evaluate import evaluate_role
+
+    out = evaluate_role(algo.shared, algo.recipe, role, algo.recipe.eval.n, source=getattr(algo, "source", None))
+    return {f"eval/{k}": v for k, v in out.items() if isinstance(v, (int, float)) or v is None}

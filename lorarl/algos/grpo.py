@@ -29,6 +29,7 @@ import torch
 
 from lorarl.algos.base import (
     batch_indices,
+    evaluate_policy,
     load_train_prompts,
     micro_batch_rows,
     planned_micro_batch,
@@ -37,7 +38,9 @@ from lorarl.algos.base import (
 )
 from lorarl.config import GRPOConfig, Recipe
 from lorarl.core.advantages import group_advantages
-from lorarl.core.losses import kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
+from lorarl.core.losses import batch_totals, kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
+from lorarl.core.schedules import advance
+from lorarl.health import parity_due, parity_metrics
 from lorarl.metrics import PLOT_PANELS
 from lorarl.model import REFERENCE, SharedBase, completion_logprobs
 from lorarl.phases import phase
@@ -152,13 +155,14 @@ class GRPO:
         self.has_ref_adapter = has_ref_adapter
         self.reference = REFERENCE if cfg.kl.coef > 0 else None  # None: the reference never runs
         self.roles = [POLICY] + ([REFERENCE] if has_ref_adapter else [])
+        self.outputs, self.final_eval = [POLICY], False
         self.planned_mbs = planned_micro_batch(recipe, shared.device.type)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
         self.source = reward_source(
             recipe, shared, micro_batch_rows(recipe.eval.batch_size, tcfg.prompts_per_step * cfg.group_size)
         )
         self.total_steps = self.last_step = tcfg.steps
-        self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps * cfg.num_iterations)
+        self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)
         self.optimizers = {POLICY: self.policy.optimizer}
         self.schedulers = {POLICY: self.policy.scheduler}
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
@@ -186,8 +190,11 @@ class GRPO:
             record_old=cfg.num_iterations > 1,
             reference=self.reference,
             prompt_index=batch.prompt_index,
+            record_sampler=parity_due(self.recipe.health.parity_every, step),
         )
-        N = len(rollout)
+        health = {}
+        if rollout.sampler_logprobs is not None:  # generator / trainer parity (lorarl.health)
+            health = parity_metrics(shared, rollout, POLICY, gen.temperature, self.recipe.health.parity_rows)
 
         # 3. Rewards: rule functions (each once on the batch; failures isolated as NaN and counted) and/or the
         #    frozen reward adapter's score at each response's last token -------------------------------------
@@ -205,7 +212,7 @@ class GRPO:
         loss_mask = rollout.completion_mask.clone()  # [N, T]
         if cfg.mask_truncated:
             loss_mask &= ~rollout.truncated[:, None]  # DAPO overlong filtering: no loss on truncated rows
-        total_tokens = int(loss_mask.sum())
+        total_sequences, total_tokens = batch_totals(loss_mask)  # rows without a loss token do not count
         # Rows whose loss is 0 with a 0 gradient need no forward pass: zero advantage and no KL / entropy
         # term. They still count in the normaliser (total_sequences, total_tokens), so the update is exact.
         needs_all_rows = cfg.kl.coef > 0 or cfg.entropy_coef > 0
@@ -219,8 +226,8 @@ class GRPO:
             loss_mask=loss_mask,
             cfg=cfg,
             temperature=gen.temperature,
-            total_sequences=N,
-            total_tokens=max(total_tokens, 1),
+            total_sequences=total_sequences,
+            total_tokens=total_tokens,
             max_len=gen.max_new_tokens,
             use_reference=self.reference is not None,
         )
@@ -231,10 +238,7 @@ class GRPO:
         # backward runs inside the policy role in train mode: activation checkpointing recomputes the forward
         # there, and must see the same adapter and mode (dropout) as the forward did
         with phase("training"), shared.role(POLICY, train=True):
-            for _ in range(cfg.num_iterations):
-                if len(rows) == 0:  # nothing to learn from this batch (e.g. every group zero-std)
-                    self.policy.scheduler.step()
-                    continue
+            for _ in range(cfg.num_iterations if len(rows) else 0):  # no rows: nothing to learn (all zero-std)
                 # a CUDA out-of-memory in a micro-batch halves the micro-batch and redoes the step
                 result, mbs = optimizer_step_halving(
                     self.policy.params,
@@ -243,7 +247,6 @@ class GRPO:
                     min(mbs, self.micro_batch_cap or mbs),
                     loss_fn,
                     max_grad_norm=tcfg.max_grad_norm,
-                    scheduler=self.policy.scheduler,
                     on_halve=lambda a, b: tqdm.write(
                         f"step {step}: out of memory at micro-batch {a}, retrying with {b}"
                     ),
@@ -251,6 +254,9 @@ class GRPO:
                 self.micro_batch_cap = mbs
                 self.guard.check(result, step)
                 update_stats = dict(result.stats, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr)
+
+        lr = self.policy.optimizer.param_groups[0]["lr"]  # what this step's updates used
+        advance(self.policy.scheduler)  # the LR schedule advances once per RL step
 
         # 7. Iterative GRPO: refresh the reference adapter to the current policy ---------------------------------
         if self.has_ref_adapter and cfg.kl.ref_refresh_every > 0 and step % cfg.kl.ref_refresh_every == 0:
@@ -274,12 +280,16 @@ class GRPO:
             "entropy": update_stats.get("entropy"),
             "loss": update_stats.get("loss"),
             "grad_norm": update_stats.get("grad_norm"),
-            "lr": update_stats.get("lr", self.policy.scheduler.get_last_lr()[0]),
+            "lr": lr,
             "trained_rows": int(len(rows)),
             "reward_failures": self.source.failures,
             "skipped_updates": self.guard.skipped,
             "tokens": float(lengths.sum()),
+            **health,
         }
+
+    def evaluate(self) -> dict:
+        return evaluate_policy(self)
 
     def progress(self, row: dict) -> dict:
         acc = row.get("accuracy")

@@ -6,16 +6,18 @@
 2. the one shared base, and the algorithm's set-up on it (roles, data, optimizers);
 3. resume: the newest complete checkpoint, when asked;
 4. each step: seed the RNGs from ``(seed, step)``, take the step's batch, run the algorithm's ``step``, add timing
-   and memory, log, save a checkpoint every ``train.save_every`` steps;
+   and memory; every ``eval.every`` steps a held-out evaluation (the best kept in ``DIR/best`` by
+   ``train.keep_best``); the health checks (:mod:`lorarl.health`); log; a checkpoint every ``train.save_every``;
 5. the algorithm's final adapters, a plot, and a summary (returned; the CLI prints it as the last stdout line).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,16 +26,65 @@ import yaml
 from lorarl.algos import make_algorithm
 from lorarl.algos.base import Algorithm, step_seed
 from lorarl.config import Recipe, recipe_to_dict
-from lorarl.metrics import MetricsLogger, plot_metrics
+from lorarl.health import HealthMonitor
+from lorarl.metrics import MetricsLogger, check_trackers, plot_metrics
 from lorarl.model import SharedBase
-from lorarl.phases import recording
+from lorarl.phases import phase, recording
 
 
 @dataclass
 class LoopState:
-    """What the loop itself carries across a resume (the algorithm's own state is its ``state_dict``)."""
+    """What the loop itself carries across a resume (the algorithm's own state is its ``state_dict``).
+
+    step: the last step done; best_value / best_step: the best ``train.keep_best`` value so far and its step;
+    health: the health monitor's state.
+    """
 
     step: int = 0
+    best_value: float | None = None
+    best_step: int | None = None
+    health: dict = field(default_factory=dict)
+
+
+def eval_due(every: int, step: int, last_step: int, at_end: bool) -> bool:
+    """Whether step ``step`` runs a held-out evaluation: every ``every`` steps and at the last step (``every`` 0:
+    only at the last step, and only for algorithms that evaluate at the end: ``at_end``)."""
+    if every > 0:
+        return step % every == 0 or step == last_step
+    return at_end and step == last_step
+
+
+def improved(value, best: float | None, mode: str) -> bool:
+    """Whether ``value`` beats ``best`` (``mode`` max or min; a missing or non-finite value never does)."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return best is None or (value > best if mode == "max" else value < best)
+
+
+def save_best(run_dir: Path, shared: SharedBase, roles: list[str], step: int, metric: str, value: float) -> Path:
+    """``run_dir/best/``: the adapters of ``roles`` at ``step`` and ``best.json`` (metric, value, step), replaced
+    atomically (temp folder, then rename)."""
+    import json
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=".best.tmp-", dir=run_dir))
+    try:
+        for role in roles:
+            shared.save_adapter(role, tmp / role)
+        (tmp / "best.json").write_text(json.dumps({"metric": metric, "value": value, "step": step}, indent=2))
+        final = run_dir / "best"
+        if final.exists():
+            trash = Path(tempfile.mkdtemp(prefix=".best.old-", dir=run_dir))
+            os.replace(final, trash / "x")
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return run_dir / "best"
 
 
 def set_threads() -> int:
@@ -102,6 +153,27 @@ def restore(run_dir: Path, algo: Algorithm, shared: SharedBase) -> LoopState:
     return LoopState(**saved["loop"])
 
 
+def after_step(step: int, row: dict, ctx: dict) -> bool:
+    """The loop's own work after a step: held-out evaluation when due (and the best adapters kept), health checks.
+    Returns whether the row must be logged now (an evaluation ran)."""
+    from tqdm.auto import tqdm
+
+    recipe, algo, loop = ctx["recipe"], ctx["algo"], ctx["loop"]
+    evaluated = eval_due(recipe.eval.every, step, ctx["last_step"], getattr(algo, "final_eval", False))
+    if evaluated:
+        with recording() as phases, phase("evaluation"):
+            row.update(algo.evaluate())
+        row["time/evaluation"] = phases.seconds["evaluation"]
+        metric = recipe.train.keep_best
+        if metric and improved(row.get(metric), loop.best_value, recipe.train.keep_best_mode):
+            loop.best_value, loop.best_step = float(row[metric]), step
+            save_best(ctx["run_dir"], ctx["shared"], algo.outputs, step, metric, loop.best_value)
+    for warning in ctx["monitor"].check(step, row, ctx["params"]):
+        tqdm.write(f"step {step}: health: {warning}")
+    loop.health = ctx["monitor"].state_dict()
+    return evaluated
+
+
 def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None) -> dict:
     """Train ``recipe``'s algorithm; write the run directory ``out_dir``; return a summary.
 
@@ -114,6 +186,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
 
     t_start = time.perf_counter()
     # 1-2. Run directory, seeds; the shared base and the algorithm's set-up on it ---------------------------
+    check_trackers(recipe.train.report_to)  # a tracker that is not installed fails before the model loads
     run_dir = start_run(recipe, out_dir)
     shared = SharedBase.load(recipe.model)
     algo = make_algorithm(recipe, shared)
@@ -123,7 +196,13 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     # 3. Resume ---------------------------------------------------------------------------------------------
     loop = restore(run_dir, algo, shared) if resume else LoopState()
     start_step = loop.step
-    logger = MetricsLogger(run_dir, resume_step=start_step if resume else None)
+    params = shared.trainable_parameters(algo.outputs[0])  # the adapter the health monitor watches
+    monitor = HealthMonitor.from_recipe(recipe, params)
+    if loop.health:
+        monitor.load_state_dict(loop.health)
+    ctx = dict(recipe=recipe, algo=algo, loop=loop, last_step=last_step, run_dir=run_dir, shared=shared)
+    ctx.update(monitor=monitor, params=params)
+    logger = MetricsLogger.for_recipe(run_dir, recipe, resume_step=start_step if resume else None)
     bar = tqdm(total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True)
     history: list[dict] = []
 
@@ -142,7 +221,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
                 row["tokens_per_s"] = row.pop("tokens") / max(step_time, 1e-9)
             row["peak_mem_gb"] = peak_memory_gb(shared.device)
             loop.step = step
-            log_now = bool(row.pop("_log_now", False))  # e.g. a step that ran a held-out evaluation
+            log_now = after_step(step, row, ctx)
             history.append(row)
             if step % recipe.train.log_every == 0 or step == last_step or log_now:
                 logger.log(step, row)
@@ -164,5 +243,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
         "plot": str(plot),
         "steps": last_step,
         "steps_this_run": len(history),
+        **({"best": {"step": loop.best_step, recipe.train.keep_best: loop.best_value}} if loop.best_step else {}),
+        "warnings": sorted(monitor.warned),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }

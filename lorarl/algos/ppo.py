@@ -42,6 +42,7 @@ import torch
 
 from lorarl.algos.base import (
     batch_indices,
+    evaluate_policy,
     load_train_prompts,
     micro_batch_rows,
     planned_micro_batch,
@@ -53,8 +54,10 @@ from lorarl.algos.ppo_losses import CRITIC, POLICY, PPOBatch, critic_loss, load_
 from lorarl.config import Recipe
 from lorarl.core.advantages import AdaptiveKLController, FixedKLController, gae, kl_shaped_rewards
 from lorarl.core.ops import masked_mean, masked_whiten
+from lorarl.core.schedules import advance
 from lorarl.core.stats import RunningMoments, explained_variance, finite_mean
 from lorarl.errors import LorarlError
+from lorarl.health import parity_due, parity_metrics
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.phases import phase
 from lorarl.rewards.source import RewardSource, resolve_reward_adapter, reward_source
@@ -128,11 +131,11 @@ class PPO:
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
         self.ptx = load_ptx_texts(cfg.ptx.source, shared.tokenizer, recipe.source_path) if cfg.ptx.coef > 0 else None
         self.need_ref = cfg.kl.coef > 0  # beta = 0 and fixed: the reference never runs
-        self.roles = [POLICY, CRITIC]
+        self.roles = self.outputs = [POLICY, CRITIC]
+        self.final_eval = False
         N = tcfg.prompts_per_step
-        updates = tcfg.steps * cfg.epochs * math.ceil(N / cfg.minibatch_size)  # what the LR schedules span
-        self.policy = trained_role(shared, POLICY, tcfg, updates)
-        self.critic = trained_role(shared, CRITIC, tcfg, updates, lr=cfg.critic.learning_rate)
+        self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)  # the LR schedules span the RL steps
+        self.critic = trained_role(shared, CRITIC, tcfg, tcfg.steps, lr=cfg.critic.learning_rate)
         self.optimizers = {POLICY: self.policy.optimizer, CRITIC: self.critic.optimizer}
         self.schedulers = {POLICY: self.policy.scheduler, CRITIC: self.critic.scheduler}
         self.kl_ctl = (
@@ -168,7 +171,11 @@ class PPO:
             record_old=True,
             reference=REFERENCE if self.need_ref else None,  # the frozen init adapter, else adapters disabled
             prompt_index=batch.prompt_index,
+            record_sampler=parity_due(self.recipe.health.parity_every, step),
         )
+        health = {}
+        if rollout.sampler_logprobs is not None:  # generator / trainer parity (lorarl.health)
+            health = parity_metrics(shared, rollout, POLICY, gen.temperature, self.recipe.health.parity_rows)
         N, P = len(rollout), rollout.prompt_ids.shape[1]
         mask = rollout.completion_mask  # [N, T] bool, through the first EOS
         old_logprobs = rollout.old_logprobs  # [N, T]
@@ -202,7 +209,10 @@ class PPO:
 
         # ===== Phase 4. K epochs x shuffled minibatches x micro-batches ========================================
         data = PPOBatch(rollout, mask, old_logprobs, advantages, values, returns)
-        acc, minibatches_done, early_stop = self.optimise(data, step)
+        lr = self.policy.optimizer.param_groups[0]["lr"]  # what this step's updates use
+        acc, updates, early_stop = self.optimise(data, step)
+        advance(self.policy.scheduler)  # once per RL step, whatever the early stop did
+        advance(self.critic.scheduler)
         seq_kl = float((kl * mask).sum(dim=1).mean())  # mean over sequences of sum_t (log pi_old - log pi_ref)
         self.kl_ctl.update(seq_kl, n_steps=N)
 
@@ -225,67 +235,46 @@ class PPO:
             "returns_final": float(returns[:, 0].mean()),
             "completion_len": float(lengths.mean()),
             "truncated_frac": float(rollout.truncated.float().mean()),
-            "epochs_done": minibatches_done / max(math.ceil(N / cfg.minibatch_size), 1),
+            "epochs_done": updates / max(math.ceil(N / cfg.minibatch_size), 1),
+            "updates": updates,
             "early_stop": early_stop,
             "policy_grad_norm": finite_mean(acc.get("policy_grad_norm", [])),
             "critic_grad_norm": finite_mean(acc.get("critic_grad_norm", [])),
-            "lr": self.policy.scheduler.get_last_lr()[0],
+            "lr": lr,
             "skipped_updates": self.guard.skipped,
             "tokens": float(lengths.sum()),
+            **health,
         }
+
+    def evaluate(self) -> dict:
+        return evaluate_policy(self)
 
     def optimise(self, data: PPOBatch, step: int) -> tuple[dict[str, list[float]], int, bool]:
         """Phase 4: ``ppo.epochs`` passes of shuffled minibatches; each minibatch one policy and one critic optimizer
-        step over micro-batches. Returns (per-minibatch stats, minibatches done, whether approx KL stopped it)."""
-        shared, cfg, tcfg = self.shared, self.recipe.ppo, self.recipe.train
-        N = len(data.rollout)
-        mask = data.mask
-        policy_fn = functools.partial(policy_loss, shared, cfg, self.recipe.generation.temperature, data, self.ptx)
-        critic_fn = functools.partial(critic_loss, shared, cfg, data)
+        step over micro-batches. Early stop (``ppo.target_approx_kl``): the approx KL of a minibatch about to be
+        applied is measured in its own forward; past the target that update is held back -- policy and critic --
+        and the epochs end (no update beyond the target is ever applied). Returns (per-minibatch stats, updates
+        applied, whether the approx KL stopped it)."""
+        cfg, tcfg = self.recipe.ppo, self.recipe.train
+        N, mask = len(data.rollout), data.mask
         shuffle = torch.Generator().manual_seed(step_seed(tcfg.seed, step) + 1)
         acc: dict[str, list[float]] = {}
-        minibatches_done, early_stop = 0, False
+        applied = 0
         for _epoch in range(cfg.epochs):
             order = torch.randperm(N, generator=shuffle)
             for s in range(0, N, cfg.minibatch_size):
                 mb_rows = order[s : s + cfg.minibatch_size]
                 denom = (len(mb_rows), max(float(mask[mb_rows].sum()), 1.0))  # the minibatch's sequences, tokens
-                ptx_item = None
-                if self.ptx is not None:
-                    first = (minibatches_done * cfg.ptx.batch_size) % len(self.ptx)
-                    ptx_item = ("ptx", [(first + k) % len(self.ptx) for k in range(cfg.ptx.batch_size)], None)
 
                 def rl_items(size, mb_rows=mb_rows, denom=denom):
                     return [("rl", mb_rows[sl], denom) for sl in micro_batches(len(mb_rows), size)]
 
-                # Each whole step (forward AND backward) runs with its role active: gradient checkpointing
-                # recomputes the forward during backward, with whatever adapter is active at that moment.
-                # A CUDA out-of-memory in a micro-batch halves the micro-batch and redoes that optimizer step.
-                with phase("training"), shared.role(POLICY, train=True):
-                    pres, self.mbs = optimizer_step_halving(
-                        self.policy.params,
-                        self.policy.optimizer,
-                        lambda size, rl_items=rl_items, ptx_item=ptx_item: (
-                            rl_items(size) + ([ptx_item] if ptx_item else [])
-                        ),
-                        self.mbs,
-                        policy_fn,
-                        max_grad_norm=tcfg.max_grad_norm,
-                        scheduler=self.policy.scheduler,
-                    )
-                self.guard.check(pres, step, "policy")
-                with phase("critic_training"), shared.role(CRITIC, train=True):
-                    cres, self.mbs = optimizer_step_halving(
-                        self.critic.params,
-                        self.critic.optimizer,
-                        rl_items,
-                        self.mbs,
-                        critic_fn,
-                        max_grad_norm=tcfg.max_grad_norm,
-                        scheduler=self.critic.scheduler,
-                    )
-                self.guard.check(cres, step, "critic")
-                minibatches_done += 1
+                pres = self._policy_update(data, rl_items, self._ptx_item(applied), step)
+                if pres.held:  # past the approx-KL target: neither this policy nor this critic update is applied
+                    acc.setdefault("approx_kl", []).append(pres.stats.get("approx_kl"))
+                    return acc, applied, True
+                cres = self._critic_update(data, rl_items, step)
+                applied += 1
                 stats = {
                     **pres.stats,
                     **cres.stats,
@@ -294,12 +283,51 @@ class PPO:
                 }
                 for k, v in stats.items():
                     acc.setdefault(k, []).append(v)
-                if cfg.target_approx_kl is not None and pres.stats.get("approx_kl", 0.0) > cfg.target_approx_kl:
-                    early_stop = True
-                    break
-            if early_stop:
-                break
-        return acc, minibatches_done, early_stop
+        return acc, applied, False
+
+    def _ptx_item(self, updates_done: int):
+        """The pretraining-text rows of the next policy update (InstructGPT's ptx term), or None."""
+        if self.ptx is None:
+            return None
+        k = self.recipe.ppo.ptx.batch_size
+        first = (updates_done * k) % len(self.ptx)
+        return ("ptx", [(first + j) % len(self.ptx) for j in range(k)], None)
+
+    def _policy_update(self, data: PPOBatch, rl_items, ptx_item, step: int):
+        """One policy optimizer step on a minibatch (held back past ``ppo.target_approx_kl``). The whole step
+        (forward AND backward) runs with the policy active: gradient checkpointing recomputes the forward during
+        backward with whatever adapter is active then. A CUDA out-of-memory halves the micro-batch and redoes it."""
+        target = self.recipe.ppo.target_approx_kl
+        policy_fn = functools.partial(
+            policy_loss, self.shared, self.recipe.ppo, self.recipe.generation.temperature, data, self.ptx
+        )
+        with phase("training"), self.shared.role(POLICY, train=True):
+            res, self.mbs = optimizer_step_halving(
+                self.policy.params,
+                self.policy.optimizer,
+                lambda size: rl_items(size) + ([ptx_item] if ptx_item else []),
+                self.mbs,
+                policy_fn,
+                max_grad_norm=self.recipe.train.max_grad_norm,
+                hold=(lambda st: st.get("approx_kl", 0.0) > target) if target is not None else None,
+            )
+        self.guard.check(res, step, "policy")
+        return res
+
+    def _critic_update(self, data: PPOBatch, rl_items, step: int):
+        """One critic optimizer step on a minibatch (value loss), with the critic adapter active throughout."""
+        critic_fn = functools.partial(critic_loss, self.shared, self.recipe.ppo, data)
+        with phase("critic_training"), self.shared.role(CRITIC, train=True):
+            res, self.mbs = optimizer_step_halving(
+                self.critic.params,
+                self.critic.optimizer,
+                rl_items,
+                self.mbs,
+                critic_fn,
+                max_grad_norm=self.recipe.train.max_grad_norm,
+            )
+        self.guard.check(res, step, "critic")
+        return res
 
     def progress(self, row: dict) -> dict:
         ev = row["explained_variance"]

@@ -13,7 +13,8 @@ Read :meth:`RewardModel.step` top to bottom; its steps are numbered (the run loo
 1. a batch of pairs (a per-epoch shuffle derived from ``(seed, epoch)``, so a resumed run sees the same data);
 2. one optimizer step over micro-batches: chosen and rejected sequences of a micro-batch go through the base in one
    forward pass, the Bradley-Terry loss is averaged over the batch's pairs (gradient accumulation is exact);
-3. held-out pairwise accuracy every ``reward_model.eval_every`` steps and at the end;
+3. held-out pairwise accuracy every ``eval.every`` steps and at the end (:meth:`RewardModel.evaluate`, run by the
+   loop);
 4. metrics; at the end (:meth:`RewardModel.finish`) the ``reward/`` adapter (PEFT folder + ``head.safetensors``).
 
 The run stops after ``reward_model.epochs`` passes over the pairs or ``train.steps`` optimizer steps, whichever
@@ -34,17 +35,18 @@ import torch
 from lorarl.algos.base import batch_indices, micro_batch_rows, tail_mean, trained_role
 from lorarl.config import Recipe
 from lorarl.core.losses import bradley_terry_loss
-from lorarl.data.preferences import PreferenceSet, load_preferences, resolve_source
+from lorarl.core.schedules import advance
+from lorarl.data.preferences import PreferenceSet, preferences_for
 from lorarl.errors import DataError, LorarlError
 from lorarl.model import SharedBase
-from lorarl.model.tokens import pad_right
+from lorarl.model.tokens import pad_right, with_end_of_turn
 from lorarl.phases import phase
 from lorarl.rewards.source import REWARD, resolve_reward_adapter
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
 PLOT_PANELS = (
     ("Bradley-Terry loss", ("loss",)),
-    ("pairwise accuracy", ("accuracy", "eval_accuracy")),
+    ("pairwise accuracy", ("accuracy", "eval/accuracy")),
     ("score margin r_chosen - r_rejected", ("reward_margin",)),
     ("mean score (centering)", ("reward_mean",)),
 )
@@ -58,31 +60,24 @@ class PairBatch:
     pairs: list[int]
 
 
-def load_pairs(recipe: Recipe, tokenizer, split: str, limit: int | None = None) -> PreferenceSet | None:
+def load_pairs(recipe: Recipe, shared: SharedBase, split: str, limit: int | None = None) -> PreferenceSet | None:
     """The recipe's preference pairs of ``split``, tokenized. For ``eval``: ``data.eval_source``, else the test split
     of a datasets folder given as ``data.source``; None when there is no held-out set."""
-    data = recipe.data
-    if data.source == "arithmetic":
-        raise DataError(
-            "reward_model needs preference pairs: set data.source to a .jsonl file, a datasets folder or "
-            "pkg:prefs_arith_train.jsonl (and data.eval_source to the held-out pairs)"
-        )
-    source = data.source
-    if split == "eval":
-        if data.eval_source:
-            source = data.eval_source
-        elif not resolve_source(source, recipe.source_path).is_dir():
-            return None
-    return load_preferences(
-        source,
-        tokenizer,
-        split=split,
+    pairs = preferences_for(
+        recipe.data,
+        shared.tokenizer,
+        split,
         recipe_path=recipe.source_path,
-        system_prompt=data.system_prompt,
         max_length=recipe.reward_model.max_length,
-        on_bad_row=data.on_bad_row,
         limit=limit,
     )
+    if pairs is None:
+        return None
+    # one EOS rule: each response ends with the end-of-turn id a rollout's finished response is scored at
+    eos, end = shared.eos_ids, shared.end_of_turn_id
+    pairs.chosen_ids = [with_end_of_turn(x, eos, end) for x in pairs.chosen_ids]
+    pairs.rejected_ids = [with_end_of_turn(x, eos, end) for x in pairs.rejected_ids]
+    return pairs
 
 
 def length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -163,7 +158,7 @@ def bt_loss(
     length-sorted forwards of at most ``max_tokens`` padded tokens; ``sum_i loss_i / batch_pairs``. Returns
     ``(loss, {stat: (sum, count)})``."""
     seqs = [pairs.chosen_ids[i] for i in mb] + [pairs.rejected_ids[i] for i in mb]
-    with shared.role(REWARD, train=True):
+    with shared.role(REWARD, train=True, dropout=True):
         scores = score_sequences(shared, seqs, max_tokens)  # [2b]
     rc, rr = scores[: len(mb)], scores[len(mb) :]  # [b], [b]
     margin = pairs.margins(mb).to(shared.device) if use_margin else None
@@ -192,9 +187,10 @@ class RewardModel:
             shared.add_adapter(REWARD, init_from=recipe.model.init_adapter, trainable=True, head=True)
         else:
             shared.add_adapter(REWARD, recipe.lora, head=True)
-        self.roles = [REWARD]
-        self.train_pairs = load_pairs(recipe, shared.tokenizer, "train")
-        self.eval_pairs = load_pairs(recipe, shared.tokenizer, "eval", limit=recipe.eval.n)
+        self.roles = self.outputs = [REWARD]
+        self.final_eval = True  # the run's summary reports the held-out pairwise accuracy
+        self.train_pairs = load_pairs(recipe, shared, "train")
+        self.eval_pairs = load_pairs(recipe, shared, "eval", limit=recipe.eval.n)
         n, B = len(self.train_pairs), cfg.batch_size
         self.total_steps = min(tcfg.steps, cfg.epochs * math.ceil(n / B))  # train.steps or the epochs, first
         self.last_step = self.total_steps  # the loop lowers it for --max-steps
@@ -213,7 +209,7 @@ class RewardModel:
         )
 
     def step(self, batch: PairBatch) -> dict:
-        """One optimizer step on ``batch`` (and a held-out evaluation every ``reward_model.eval_every`` steps)."""
+        """One optimizer step on ``batch`` (the loop runs the held-out evaluation, :meth:`evaluate`)."""
         shared, cfg, tcfg = self.shared, self.recipe.reward_model, self.recipe.train
         idx, step = batch.pairs, batch.step
 
@@ -221,15 +217,15 @@ class RewardModel:
         loss_fn = functools.partial(
             bt_loss, shared, self.train_pairs, len(idx), self.use_margin, cfg.center_coef, cfg.max_tokens_per_forward
         )
-        with phase("training"), shared.role(REWARD, train=True):  # active through backward (recompute)
+        with phase("training"), shared.role(REWARD, train=True, dropout=True):  # active through backward (recompute)
             result = optimizer_step(
                 self.role.params,
                 self.role.optimizer,
                 (idx[s] for s in micro_batches(len(idx), self.mbs)),
                 loss_fn,
                 max_grad_norm=tcfg.max_grad_norm,
-                scheduler=self.role.scheduler,
             )
+        advance(self.role.scheduler)
         self.guard.check(result, step)
         row = {
             "loss": result.loss,
@@ -239,16 +235,16 @@ class RewardModel:
             "epoch": (step - 1) * cfg.batch_size / len(self.train_pairs),
             "skipped_updates": self.guard.skipped,
         }
-
-        # 3. Held-out pairwise accuracy ---------------------------------------------------------------------------
-        last = step == self.last_step
-        if self.eval_pairs is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
-            with phase("evaluation"):
-                scores = score_pairs(shared, self.eval_pairs, self.recipe.eval.batch_size, cfg.max_tokens_per_forward)
-            self.eval_result = pairwise_metrics(*scores, self.eval_pairs)
-            row.update(eval_accuracy=self.eval_result["pairwise_accuracy"], eval_loss=self.eval_result["loss"])
-            row["_log_now"] = True
         return row
+
+    def evaluate(self) -> dict:
+        """3. Held-out pairwise accuracy (every ``eval.every`` steps and at the end, run by the loop)."""
+        if self.eval_pairs is None:
+            return {}
+        cfg = self.recipe.reward_model
+        scores = score_pairs(self.shared, self.eval_pairs, self.recipe.eval.batch_size, cfg.max_tokens_per_forward)
+        self.eval_result = pairwise_metrics(*scores, self.eval_pairs)
+        return {"eval/accuracy": self.eval_result["pairwise_accuracy"], "eval/loss": self.eval_result["loss"]}
 
     def progress(self, row: dict) -> dict:
         return {"loss": f"{row['loss']:.3f}", "acc": f"{row.get('accuracy', float('nan')):.2f}"}
@@ -275,7 +271,10 @@ class RewardModel:
         }
 
     @staticmethod
-    def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
+    def evaluate_checkpoint(
+        recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None
+    ) -> dict:
+        """``lorarl eval`` of a reward model: held-out pairwise accuracy (:func:`evaluate`)."""
         return evaluate(recipe, checkpoint, n, shared=shared)
 
 
@@ -291,7 +290,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
         shared = SharedBase.load(recipe.model)
     shared.remove_adapter(REWARD)
     shared.add_adapter(REWARD, init_from=folder, trainable=False, head=True)
-    pairs = load_pairs(recipe, shared.tokenizer, "eval", limit=n or recipe.eval.n)
+    pairs = load_pairs(recipe, shared, "eval", limit=n or recipe.eval.n)
     if pairs is None:
         raise DataError(
             "no held-out preference pairs: set data.eval_source (or use a datasets folder with a test split)"

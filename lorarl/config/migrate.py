@@ -41,6 +41,7 @@ MOVED: dict[str, str] = {
     "data.operations": "data.arithmetic.operations",
     "data.digits": "data.arithmetic.digits",
     "data.prompt_template": "data.arithmetic.prompt_template",
+    "reward_model.eval_every": "eval.every",
 }
 
 
@@ -99,7 +100,7 @@ def migrate(data: dict, where: str = "<recipe>") -> tuple[dict, list[tuple[str, 
             raise RecipeError(f"{where}: {old} and {new} are the same setting: keep only {new}")
         _put(out, new.split("."), value)
         moved.append((old, new))
-    for section in ("ppo", "grpo", "train", "data"):  # sections emptied by the moves
+    for section in ("ppo", "grpo", "train", "data", "reward_model"):  # sections emptied by the moves
         if out.get(section) == {} and section not in data:
             out.pop(section)
     return out, moved

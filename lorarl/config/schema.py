@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -13,6 +14,7 @@ from lorarl.errors import RecipeError
 
 Quantization = Literal["nf4", "none", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Tracker = Literal["tensorboard", "trackio", "wandb"]  # train.report_to (lorarl.metrics)
 
 
 def check(ok: bool, where: str, key: str, message: str) -> None:
@@ -77,13 +79,24 @@ class ArithmeticConfig:
             )
 
 
+# data.answer_pattern presets: a regex whose one group is the answer (GSM8K solutions end with "#### 72")
+ANSWER_PATTERNS = {"gsm8k": r"####\s*(.+?)\s*$"}
+
+
 @dataclass
 class DataConfig:
     """Prompts (RL) or preference pairs (reward model). Rows follow TRL's fields: ``prompt`` (a string or chat
     messages) plus extra columns, passed to reward functions by name (e.g. ``answer``); ``chosen`` / ``rejected``."""
 
-    source: str = "arithmetic"  # `arithmetic` (built-in generator), a .jsonl file, a datasets folder, pkg:NAME
+    source: str = "arithmetic"  # `arithmetic`, a hub dataset, a parquet/csv/json(l) file or folder, a datasets folder
     eval_source: str | None = None  # held-out rows; for `arithmetic` a disjoint generated split is used
+    subset: str | None = None  # the dataset's configuration (load_dataset's `name`): `main` for openai/gsm8k
+    split: str | None = None  # the training split; default `train` (or the only split)
+    eval_split: str | None = None  # the held-out split; default the first of test / validation / eval
+    columns: dict[str, str] = field(default_factory=dict)  # lorarl name -> dataset column: {prompt: question}
+    answer_pattern: str | None = None  # regex with one group applied to the answer column, or a preset: gsm8k
+    as_chat: bool = False  # a string prompt becomes one user message (chat template + system_prompt apply)
+    verifier: Literal["numeric", "math"] = "numeric"  # the answer check behind accuracy (numeric: the last number)
     train_size: int = 2000  # rows generated for training (arithmetic)
     eval_size: int = 200  # held-out rows generated (arithmetic)
     seed: int = 1234  # seed of the generated split
@@ -96,6 +109,21 @@ class DataConfig:
         check(self.train_size >= 1, where, "data.train_size", "must be >= 1")
         check(self.eval_size >= 1, where, "data.eval_size", "must be >= 1")
         check(self.max_prompt_tokens >= 1, where, "data.max_prompt_tokens", "must be >= 1")
+        for name, column in self.columns.items():
+            check(isinstance(column, str) and bool(column), where, f"data.columns.{name}", "must be a column name")
+        if self.answer_pattern is not None:
+            pattern = ANSWER_PATTERNS.get(self.answer_pattern, self.answer_pattern)
+            try:
+                groups = re.compile(pattern).groups
+            except re.error as e:
+                groups = f"not a valid regex ({e})"
+            check(
+                groups == 1,
+                where,
+                "data.answer_pattern",
+                f"must be a preset ({', '.join(ANSWER_PATTERNS)}) or a regex with one group, got {pattern!r}: "
+                f"{groups if isinstance(groups, str) else f'{groups} groups'}",
+            )
         self.arithmetic.validate(where)
 
 
@@ -104,7 +132,7 @@ class RewardSpec:
     """One reward function: a built-in name or ``module:function`` with TRL's signature, and its weight."""
 
     name: str = (
-        "numeric_match"  # built-in (numeric_match, format, partial_credit, length_penalty, code_tests) or module:fn
+        "numeric_match"  # built-in (numeric_match, math_match, format, partial_credit, length_penalty, code_tests)
     )
     weight: float = 1.0  # its weight in the total
     kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the function
@@ -142,12 +170,16 @@ class GenerationConfig:
     temperature: float = 1.0  # sampling temperature (log-probs use it too)
     top_p: float = 1.0  # nucleus sampling: chat / evaluation only; training recipes keep 1.0
     top_k: int = 0  # top-k sampling: chat / evaluation only; training recipes keep 0
+    engine: Literal["hf", "fast"] = "hf"  # decode engine (lorarl.rollout.engines): hf = transformers' generate, fast
+    eos_check_every: int = 8  # fast engine on CUDA: read "all rows ended?" on the host every k steps (CPU: every step)
+    cuda_graphs: bool = True  # fast engine on CUDA: capture the decode step once and replay it
 
     def validate(self, where: str) -> None:
         check(self.max_new_tokens >= 1, where, "generation.max_new_tokens", "must be >= 1")
         check(self.temperature > 0, where, "generation.temperature", "must be > 0")
         check(0 < self.top_p <= 1, where, "generation.top_p", "must be in (0, 1]")
         check(self.top_k >= 0, where, "generation.top_k", "must be >= 0")
+        check(self.eos_check_every >= 1, where, "generation.eos_check_every", "must be >= 1")
 
     def validate_for_training(self, where: str) -> None:
         """Rollouts that train: sampling must be the plain ``softmax(logits / T)`` the log-probs describe."""
@@ -173,9 +205,15 @@ class TrainConfig:
     keep_last: int = 2  # step checkpoints kept
     log_every: int = 1  # metrics rows every N steps
     max_nonfinite_in_row: int = 3  # NaN/inf losses or gradients in a row before the run stops
+    keep_best: str | None = None  # keep the adapters of the best evaluation by this metric in DIR/best (eval/accuracy)
+    keep_best_mode: Literal["max", "min"] = "max"  # whether larger or smaller keep_best values are better
+    report_to: list[Tracker] = field(default_factory=lambda: ["tensorboard"])  # trackers besides metrics.jsonl; []
+    project: str = "lorarl"  # the trackio / wandb project the run is logged under (the run's name: its directory)
 
     def validate(self, where: str) -> None:
         check(self.steps >= 1, where, "train.steps", "must be >= 1")
+        check(len(set(self.report_to)) == len(self.report_to), where, "train.report_to", "names a tracker twice")
+        check(bool(self.project.strip()), where, "train.project", "must not be empty")
         check(self.prompts_per_step >= 1, where, "train.prompts_per_step", "must be >= 1")
         check(
             self.micro_batch_size == "auto" or self.micro_batch_size >= 1,
@@ -340,7 +378,6 @@ class RewardModelConfig:
     margin: bool = False  # use a `margin` column when present (Llama 2)
     center_coef: float = 0.0  # reward centering term coef * (r_c + r_r)^2
     max_length: int = 512  # pairs whose longer side has more tokens are dropped (counted), like TRL
-    eval_every: int = 0  # held-out pairwise accuracy every N steps (0: only at the end)
     max_tokens_per_forward: int = 4096  # length-sorted forwards of at most this many padded tokens; 0 = one forward
 
     def validate(self, where: str) -> None:
@@ -349,29 +386,89 @@ class RewardModelConfig:
         check(self.batch_size >= 1, where, "reward_model.batch_size", "must be >= 1")
         check(self.center_coef >= 0, where, "reward_model.center_coef", "must be >= 0")
         check(self.max_length >= 2, where, "reward_model.max_length", "must be >= 2")
-        check(self.eval_every >= 0, where, "reward_model.eval_every", "must be >= 0")
 
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation (greedy)."""
+    """Held-out evaluation (greedy for policies; pairwise accuracy for reward models)."""
 
     n: int = 200  # held-out examples
     batch_size: int = 32  # rows per generate / scoring forward
     max_new_tokens: int | None = None  # default: generation.max_new_tokens
+    every: int = 0  # evaluate during training every N steps and at the last (logged as eval/...); 0: only at the end
+    #               for reward models, never for policies (run `lorarl eval`)
 
     def validate(self, where: str) -> None:
         check(self.n >= 1, where, "eval.n", "must be >= 1")
         check(self.batch_size >= 1, where, "eval.batch_size", "must be >= 1")
+        check(self.every >= 0, where, "eval.every", "must be >= 0")
+
+
+@dataclass
+class HealthConfig:
+    """Health checks that stop or warn on the step a run goes wrong (lorarl.health); 0 turns a check off."""
+
+    parity_every: int = 25  # compare sampler and trainer log-probs on step 1 and every N steps
+    parity_rows: int = 8  # rows scored for the parity check
+    parity_tolerance: float = 0.05  # mean |delta log-prob| per token above which the run stops (nats)
+    learning_after: int = 5  # steps with updates after which an adapter that has not moved is reported
+    no_signal_steps: int = 5  # steps in a row with most groups at zero reward spread before a warning
+    no_signal_fraction: float = 0.9  # "most groups": this fraction of zero-spread groups
+    alarm_window: int = 3  # held-out evaluations compared by the reward-hacking alarm (needs eval.every)
+    length_drift: float = 3.0  # warn when mean completion length moves by this factor from the first steps
+
+    def validate(self, where: str) -> None:
+        for name in ("parity_every", "parity_rows", "learning_after", "no_signal_steps", "alarm_window"):
+            check(getattr(self, name) >= 0, where, f"health.{name}", "must be >= 0 (0: off)")
+        check(self.parity_tolerance > 0, where, "health.parity_tolerance", "must be > 0")
+        check(0 < self.no_signal_fraction <= 1, where, "health.no_signal_fraction", "must be in (0, 1]")
+        check(self.length_drift == 0 or self.length_drift > 1, where, "health.length_drift", "must be > 1 (0: off)")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning of the policy adapter: loss on completion tokens only (lorarl.algos.sft)."""
+
+    epochs: int = 1  # passes over the examples (train.steps may stop it first)
+    batch_size: int = 16  # examples per optimizer step
+    max_length: int = 1024  # prompt + completion tokens; longer rows are bad rows (data.on_bad_row)
+
+    def validate(self, where: str) -> None:
+        check(self.epochs >= 1, where, "sft.epochs", "must be >= 1")
+        check(self.batch_size >= 1, where, "sft.batch_size", "must be >= 1")
+        check(self.max_length >= 2, where, "sft.max_length", "must be >= 2")
+
+
+@dataclass
+class RejectionSamplingConfig:
+    """Sample G completions per prompt, keep the verified ones as a TRL dataset (lorarl.algos.rejection_sampling).
+    Samples with model.init_adapter (else the base); train.steps x train.prompts_per_step prompts in all."""
+
+    group_size: int = 8  # completions sampled per prompt (G)
+    min_reward: float = 1.0  # keep completions whose total reward (reward section) is at least this
+    max_per_prompt: int = 0  # best-of-G: keep at most this many per prompt, highest reward first; 0: all that pass
+    drop_truncated: bool = True  # never keep a completion cut at generation.max_new_tokens (no EOS)
+
+    def validate(self, where: str) -> None:
+        check(self.group_size >= 1, where, "rejection_sampling.group_size", "must be >= 1")
+        check(self.max_per_prompt >= 0, where, "rejection_sampling.max_per_prompt", "must be >= 0 (0: no limit)")
 
 
 # The algorithm sections, and the shared sections each algorithm reads (others are refused in a recipe).
-ALGO_SECTIONS: dict[str, type] = {"grpo": GRPOConfig, "ppo": PPOConfig, "reward_model": RewardModelConfig}
-SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval")
+ALGO_SECTIONS: dict[str, type] = {
+    "grpo": GRPOConfig,
+    "ppo": PPOConfig,
+    "reward_model": RewardModelConfig,
+    "sft": SFTConfig,
+    "rejection_sampling": RejectionSamplingConfig,
+}
+SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
 USES = {
     "grpo": SHARED_SECTIONS,
     "ppo": SHARED_SECTIONS,
-    "reward_model": ("model", "lora", "data", "train", "eval"),
+    "reward_model": ("model", "lora", "data", "train", "eval", "health"),
+    "sft": SHARED_SECTIONS,  # reward and generation: the held-out evaluation scores and decodes like RL
+    "rejection_sampling": SHARED_SECTIONS,
 }
 TRAINS_ON_SAMPLES = ("grpo", "ppo")
 
@@ -380,7 +477,7 @@ TRAINS_ON_SAMPLES = ("grpo", "ppo")
 class Recipe:
     """A whole recipe: the algorithm, the shared sections, and the algorithm's own section (the others are None)."""
 
-    algo: Literal["grpo", "ppo", "reward_model"] = "grpo"  # which algorithm trains
+    algo: Literal["grpo", "ppo", "reward_model", "sft", "rejection_sampling"] = "grpo"  # which algorithm trains
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
@@ -388,9 +485,12 @@ class Recipe:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     grpo: GRPOConfig | None = None
     ppo: PPOConfig | None = None
     reward_model: RewardModelConfig | None = None
+    sft: SFTConfig | None = None
+    rejection_sampling: RejectionSamplingConfig | None = None
     source_path: str | None = None  # where the recipe was read from (set by load_recipe, not a YAML key)
 
     def __post_init__(self) -> None:

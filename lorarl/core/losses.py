@@ -250,7 +250,15 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
     Example: ``entropy_from_logits(zeros(4))`` -> ``log 4 = 1.3863``.
     """
-    logp = torch.log_softmax(logits, dim=-1)
+    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
+
+
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """:func:`entropy_from_logits` from ``logp = log_softmax(logits)`` already computed: ``H = -sum_v p_v log p_v``
+    with ``log p`` clamped at the dtype's most negative finite value, so ``-inf`` entries contribute 0 (not NaN).
+
+    Example: ``entropy_from_logprobs(log_softmax(tensor([0., -inf])))`` -> ``0.0``.
+    """
     logp = torch.clamp(logp, min=torch.finfo(logp.dtype).min)
     return -(logp.exp() * logp).sum(dim=-1)
 
@@ -319,6 +327,18 @@ LOSS_REDUCTIONS: dict[str, Callable[..., Tensor]] = {
 }
 
 
+def batch_totals(mask: Tensor) -> tuple[int, int]:
+    """``(total_sequences, total_tokens)`` of a whole batch for :func:`reduce_loss`: the rows that contribute at
+    least one token, and the tokens. A row with no valid token (e.g. a truncated row under DAPO's overlong
+    filtering) is not a sequence of the mean: counting it would shrink every other row's weight. Both are at least
+    1 (a batch with nothing to learn gives a zero loss, not a division by zero).
+
+    Example: mask ``[[1, 1], [0, 0], [1, 0]]`` -> ``(2, 3)``.
+    """
+    m = mask.bool()
+    return max(int(m.any(dim=-1).sum()), 1), max(int(m.sum()), 1)
+
+
 def reduce_loss(
     per_token: Tensor,
     mask: Tensor,
@@ -340,8 +360,8 @@ def reduce_loss(
     * ``"seq_sum_norm"`` (Dr. GRPO, Liu et al. 2025): ``sum_{i,t} m_it l_it / (total_sequences * max_len)``,
       ``max_len`` a constant (e.g. ``max_new_tokens``), not this batch's longest row.
 
-    ``total_sequences``: rows in the whole batch; ``total_tokens``: valid tokens in the whole batch
-    (``mask.sum()``); ``max_len``: the constant of ``seq_sum_norm``. All three are required whatever the mode, so a
+    ``total_sequences``: rows of the whole batch with at least one valid token; ``total_tokens``: valid tokens in the
+    whole batch (``mask.sum()``) -- :func:`batch_totals` computes both; ``max_len``: the constant of ``seq_sum_norm``. All three are required whatever the mode, so a
     caller computes them once per batch and switches modes without other changes.
 
     Shapes: ``per_token``, ``mask`` ``[B, T]`` -> ``[]``.

@@ -32,3 +32,14 @@ def make_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` with :func:`lr_factor`: one ``scheduler.step()`` per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, kind, warmup_steps, total_steps))
+
+
+def advance(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """One scheduler step (once per RL step, after its updates). A step whose updates were all skipped (no rows to
+    learn from, a non-finite loss) still advances the schedule, which would make PyTorch warn that the scheduler
+    stepped before the optimizer: that order is intended here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()

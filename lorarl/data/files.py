@@ -1,4 +1,4 @@
-"""Reading rows from files: JSON Lines and folders written by ``datasets``' ``save_to_disk``."""
+"""Reading rows from JSON Lines files (other files, folders and hub datasets: :mod:`lorarl.data.sources`)."""
 
 from __future__ import annotations
 
@@ -27,24 +27,3 @@ def read_jsonl(path: Path, objects: bool = True) -> list:
                 raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not a JSON object")
             rows.append(row)
     return rows
-
-
-def read_datasets_folder(path: Path, split: Split) -> list[dict]:
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise DataError(f"{path}: reading a datasets folder needs the `datasets` package") from None
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except Exception as e:  # datasets raises several types for "not a saved dataset"
-        raise DataError(f"{path}: not a folder saved with datasets' save_to_disk ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        wanted = ("train",) if split == "train" else ("test", "validation", "eval")
-        name = next((s for s in wanted if s in ds), None)
-        if name is None:
-            if split == "train" and len(ds) == 1:
-                name = next(iter(ds))
-            else:
-                raise DataError(f"{path}: no {' / '.join(wanted)} split (has: {', '.join(ds)})")
-        ds = ds[name]
-    return [dict(r) for r in ds]

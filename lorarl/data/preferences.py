@@ -14,9 +14,11 @@ An optional numeric ``margin`` column is read when ``reward_model.margin`` is on
 Where pairs come from (``data.source`` / ``data.eval_source`` of a reward-model recipe):
 
 * ``pkg:NAME`` -- a file shipped inside lorarl, ``lorarl/data/NAME`` (``pkg:prefs_arith_train.jsonl``);
-* a ``.jsonl`` file -- a relative path is looked up beside the recipe file first, then in the current directory;
-* a folder written by ``datasets``' ``save_to_disk`` (a ``DatasetDict``'s ``train`` split for training and its
-  ``test`` / ``validation`` / ``eval`` split for evaluation when no ``eval_source`` is given).
+* a hub dataset, a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, a folder written by ``save_to_disk`` or a
+  folder of data files, by the one rule of :mod:`lorarl.data.sources` (relative paths: the current directory, then
+  beside the recipe; the ``train`` split for training and the ``test`` / ``validation`` / ``eval`` split for
+  evaluation when no ``eval_source`` is given; ``data.split`` / ``data.eval_split`` name others);
+* other column names are mapped in the recipe: ``data.columns: {chosen: pos, rejected: neg}`` (:func:`shape_pair`).
 
 Tokenization matches what PPO scores, token for token: the prompt is rendered exactly as the rollout renders it
 (:func:`lorarl.data.prompt_text`: the chat template with the generation prompt, the recipe's system prompt), and the
@@ -37,7 +39,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lorarl.data.files import read_datasets_folder, read_jsonl
+from lorarl.config import DataConfig
+from lorarl.data.sources import map_columns, read_data_source
 from lorarl.errors import DataError, LorarlError
 from lorarl.runs import PKG_PREFIX, resolve_path
 
@@ -50,6 +53,8 @@ __all__ = [
     "read_rows",
     "normalize_pair",
     "load_preferences",
+    "preferences_for",
+    "shape_pair",
     "encode_pair",
     "encode_response",
 ]
@@ -98,14 +103,23 @@ def resolve_source(source: str, recipe_path: str | Path | None = None) -> Path:
         raise DataError(str(e)) from None
 
 
-def read_rows(source: str, split: Split = "train", recipe_path: str | Path | None = None) -> tuple[list[Any], str]:
-    """The raw rows of a preference source (see the module docstring) and a description of where they came from."""
-    path = resolve_source(source, recipe_path)
-    if path.is_dir():
-        return read_datasets_folder(path, split), str(path)
-    if path.suffix != ".jsonl":
-        raise DataError(f"preference source {source}: expected a .jsonl file, a datasets folder or pkg:NAME")
-    return read_jsonl(path, objects=False), str(path)
+def read_rows(
+    source: str,
+    split: Split = "train",
+    recipe_path: str | Path | None = None,
+    data: DataConfig | None = None,
+    *,
+    whole: bool | None = None,
+) -> tuple[list[Any] | None, str]:
+    """The raw rows of a preference source (:func:`lorarl.data.sources.read_source`: ``pkg:NAME``, files, folders,
+    hub names) and a description of where they came from. ``data`` gives the subset, split names and the columns
+    ``data.columns`` maps from (checked against the first row). Rows are None when an evaluation finds no held-out
+    split; ``whole`` (default: ``split == "eval"`` and ``source`` is ``data.eval_source``, or no ``data`` is given)
+    reads a one-split source (a file) as the held-out set."""
+    if whole is None:
+        whole = split == "eval" and (data is None or source == data.eval_source)
+    data = data or DataConfig(source=source)
+    return read_data_source(data, source, split, recipe_path=recipe_path, whole=whole, objects=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,6 +247,21 @@ def encode_pair(pair: dict, tokenizer, system_prompt: str | None = None, i: int 
     return prefix + encode_response(pair["chosen"], tokenizer), prefix + encode_response(pair["rejected"], tokenizer)
 
 
+def shape_pair(row: Any, data: DataConfig | None, i: int) -> Any:
+    """Row ``i`` under TRL's names: ``data.columns`` mapped (``{chosen: pos, rejected: neg, prompt: question}``);
+    with ``data.as_chat`` a string prompt becomes a user message and string responses assistant messages (rows with
+    an explicit prompt; implicit-prompt rows are kept as they are)."""
+    if data is None or not isinstance(row, dict):
+        return row
+    row = map_columns(row, data.columns, i)
+    if data.as_chat and isinstance(row.get("prompt"), str):
+        row = dict(row, prompt=[{"role": "user", "content": row["prompt"]}])
+        for col in ("chosen", "rejected"):
+            if isinstance(row.get(col), str):
+                row[col] = [{"role": "assistant", "content": row[col]}]
+    return row
+
+
 def load_preferences(
     source: str,
     tokenizer=None,
@@ -243,19 +272,29 @@ def load_preferences(
     max_length: int | None = None,
     on_bad_row: Literal["skip", "fail"] = "fail",
     limit: int | None = None,
-) -> PreferenceSet:
+    data: DataConfig | None = None,
+    missing_ok: bool = False,
+) -> PreferenceSet | None:
     """Read, validate and (with a ``tokenizer``) tokenize the preference pairs of ``source``.
 
-    ``max_length`` drops pairs whose longer side has more tokens (listed in ``skipped``, never an error, like TRL).
-    ``limit`` keeps the first ``limit`` usable pairs. A source with no usable pair is always an error.
+    ``data`` (the recipe's section) gives the subset, split names, column mapping and ``as_chat``
+    (:func:`shape_pair`). ``max_length`` drops pairs whose longer side has more tokens (listed in ``skipped``,
+    never an error, like TRL). ``limit`` keeps the first ``limit`` usable pairs. A source with no usable pair is
+    always an error; one with no held-out split (``split="eval"``) gives None with ``missing_ok``, else an error.
     """
-    rows, where = read_rows(source, split, recipe_path)
+    rows, where = read_rows(source, split, recipe_path, data)
+    if rows is None:
+        if missing_ok:
+            return None
+        raise DataError(
+            f"{where}: no held-out split (test / validation / eval); set data.eval_source or data.eval_split"
+        )
     out = PreferenceSet(pairs=[], source=where)
     for i, row in enumerate(rows):
         if limit is not None and len(out) >= limit:
             break
         try:
-            pair = normalize_pair(row, i)
+            pair = normalize_pair(shape_pair(row, data, i), i)
             if tokenizer is not None:
                 c, r = encode_pair(pair, tokenizer, system_prompt, i)
         except DataError as e:
@@ -274,3 +313,34 @@ def load_preferences(
         why = f"; first problem: {out.skipped[0][1]}" if out.skipped else ""
         raise DataError(f"{where}: no usable preference pairs{why}")
     return out
+
+
+def preferences_for(
+    data: DataConfig,
+    tokenizer,
+    split: Split = "train",
+    *,
+    recipe_path: str | Path | None = None,
+    max_length: int | None = None,
+    limit: int | None = None,
+) -> PreferenceSet | None:
+    """A recipe's preference pairs of ``split``: training reads ``data.source``; evaluation ``data.eval_source``,
+    else the held-out split of ``data.source`` (None when it has none: a single file)."""
+    if data.source == "arithmetic":
+        raise DataError(
+            "reward_model needs preference pairs: set data.source to a hub dataset, a file, a folder or "
+            "pkg:prefs_arith_train.jsonl (and data.eval_source to the held-out pairs)"
+        )
+    source = data.eval_source if split == "eval" and data.eval_source else data.source
+    return load_preferences(
+        source,
+        tokenizer,
+        split=split,
+        recipe_path=recipe_path,
+        system_prompt=data.system_prompt,
+        max_length=max_length,
+        on_bad_row=data.on_bad_row,
+        limit=limit,
+        data=data,
+        missing_ok=split == "eval",
+    )

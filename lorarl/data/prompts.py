@@ -1,8 +1,12 @@
-"""Prompt datasets: the built-in arithmetic generator, ``.jsonl`` files and ``datasets`` folders.
+"""Prompt datasets: the built-in arithmetic generator, hub datasets, local files and folders
+(:mod:`lorarl.data.sources`).
 
 Rows follow TRL's fields: ``prompt`` is a string (used as is) or a list of chat messages (conversational: the
 recipe's ``data.system_prompt`` is prepended as a system message when the row has none, and the tokenizer's chat
 template is applied with the generation prompt). Every other column is kept and handed to reward functions by name.
+A dataset with other names is mapped in the recipe (:func:`shape_row`): ``data.columns: {prompt: question}``
+renames columns, ``data.answer_pattern`` extracts the answer (``gsm8k``: the text after ``####``), and
+``data.as_chat: true`` makes a string prompt one user message so the chat template applies.
 
 Every row is checked: a missing or empty ``prompt``, a malformed message list, or a prompt longer than
 ``data.max_prompt_tokens`` raises :class:`DataError` naming the row index and the column, or, with
@@ -11,12 +15,14 @@ Every row is checked: a missing or empty ``prompt``, a malformed message list, o
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorarl.config import DataConfig
-from lorarl.data.files import Split, read_datasets_folder, read_jsonl
+from lorarl.data.files import Split
+from lorarl.data.sources import answer_regex, extract_answer_column, map_columns, read_data_source
 from lorarl.errors import DataError
 
 
@@ -55,37 +61,69 @@ class PromptSet:
         return {k: [self.rows[i].get(k) for i in indices] for k in names}
 
 
-def read_rows(cfg: DataConfig, split: Split, size: int | None = None) -> tuple[list[dict], str]:
-    """The raw rows of ``split`` and a description of where they came from (no validation yet).
+def source_rows(
+    cfg: DataConfig, split: Split, size: int | None = None, recipe_path: str | Path | None = None
+) -> tuple[list[dict], str]:
+    """The rows of ``split`` as the source holds them (before ``data.columns`` and ``data.answer_pattern``) and a
+    description of where they came from; the columns ``data.columns`` maps from are checked against the first row.
 
-    ``arithmetic`` generates ``size`` rows (default ``data.train_size`` / ``data.eval_size``) of the split. A file or
-    folder is read whole; the eval split reads ``data.eval_source``, or for a ``DatasetDict`` folder its test split.
+    ``arithmetic`` generates ``size`` rows (default ``data.train_size`` / ``data.eval_size``) of the split. Anything
+    else is read by :func:`lorarl.data.sources.read_source` (hub names, files, folders; relative paths from the
+    current directory, then beside ``recipe_path``): the eval split reads ``data.eval_source``, else the held-out
+    split of ``data.source`` (``data.eval_split``, or its test / validation / eval split).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    source = cfg.source if split == "train" else (cfg.eval_source or cfg.source)
+    whole = split == "eval" and bool(cfg.eval_source)
+    source = cfg.eval_source if whole else cfg.source
     if source == "arithmetic":
         from lorarl.tasks.arithmetic import make_problems
 
         n = size or (cfg.train_size if split == "train" else cfg.eval_size)
+        a = cfg.arithmetic
         rows = make_problems(
-            split, n, seed=cfg.seed, operations=cfg.arithmetic.operations, digits=cfg.arithmetic.digits, template=cfg.arithmetic.prompt_template
+            split, n, seed=cfg.seed, operations=a.operations, digits=a.digits, template=a.prompt_template
         )
         return rows, f"arithmetic ({split}, {n} rows, seed {cfg.seed})"
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise DataError(f"data source {source}: no such file or folder")
-    if path.is_dir():
-        if split == "eval" and not cfg.eval_source:
-            rows = read_datasets_folder(path, "eval")
-        else:
-            rows = read_datasets_folder(path, "train")
-        return rows, str(path)
-    if split == "eval" and not cfg.eval_source:
-        raise DataError(f"data source {source}: set data.eval_source to a held-out file to evaluate")
-    if path.suffix != ".jsonl":
-        raise DataError(f"data source {source}: expected `arithmetic`, a .jsonl file or a datasets folder")
-    return read_jsonl(path), str(path)
+    rows, where = read_data_source(cfg, source, split, recipe_path=recipe_path, whole=whole)
+    if rows is None:
+        raise DataError(
+            f"data.source {source}: no held-out split (test / validation / eval) to evaluate on; set "
+            "data.eval_source to a held-out file or data.eval_split to a split of the source"
+        )
+    return rows, where
+
+
+def shape_row(row: Any, cfg: DataConfig, i: int, regex: re.Pattern | None = None) -> dict:
+    """Row ``i`` under lorarl's names: ``data.columns`` mapped, the answer extracted with ``data.answer_pattern``
+    (``regex``: it compiled, see :func:`lorarl.data.sources.answer_regex`), and with ``data.as_chat`` a string
+    prompt made one user message. With the defaults the row is returned unchanged."""
+    if not isinstance(row, dict):
+        raise DataError(f"row {i} is not a JSON object")
+    row = map_columns(row, cfg.columns, i)
+    if regex is not None:
+        row = {**row, "answer": extract_answer_column(row.get("answer"), regex, i)}
+    if cfg.as_chat and isinstance(row.get("prompt"), str):
+        row = {**row, "prompt": [{"role": "user", "content": row["prompt"]}]}
+    return row
+
+
+def read_rows(
+    cfg: DataConfig, split: Split, size: int | None = None, recipe_path: str | Path | None = None
+) -> tuple[list[dict], str]:
+    """The rows of ``split`` under lorarl's names (:func:`source_rows` then :func:`shape_row`; a row that cannot be
+    shaped stops, or with ``data.on_bad_row: skip`` is left out) and where they came from. Prompts are not
+    validated or tokenized here (:func:`load_prompts` does that)."""
+    raw, where = source_rows(cfg, split, size, recipe_path)
+    regex = answer_regex(cfg.answer_pattern)
+    rows = []
+    for i, row in enumerate(raw):
+        try:
+            rows.append(shape_row(row, cfg, i, regex))
+        except DataError as e:
+            if cfg.on_bad_row == "fail":
+                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
+    return rows, where
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,17 +169,22 @@ def encode_prompt(text: str, tokenizer, templated: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=not templated)["input_ids"]
 
 
-def load_prompts(cfg: DataConfig, tokenizer, split: Split = "train", size: int | None = None) -> PromptSet:
-    """Read, validate, template and tokenize the prompts of ``split`` (see :func:`read_rows` for ``size``).
+def load_prompts(
+    cfg: DataConfig, tokenizer, split: Split = "train", size: int | None = None, recipe_path: str | Path | None = None
+) -> PromptSet:
+    """Read, shape, validate, template and tokenize the prompts of ``split`` (see :func:`source_rows` for ``size``
+    and ``recipe_path``, :func:`shape_row` for the recipe's column mapping).
 
     Bad rows raise :class:`DataError` (``on_bad_row: fail``) or are skipped and listed in ``PromptSet.skipped``.
     A split with no usable row is always an error.
     """
-    rows, where = read_rows(cfg, split, size)
+    rows, where = source_rows(cfg, split, size, recipe_path)
+    regex = answer_regex(cfg.answer_pattern)
     good_rows, texts, ids, skipped = [], [], [], []
-    for i, row in enumerate(rows):
+    for i, raw in enumerate(rows):
         try:
-            if not isinstance(row, dict) or "prompt" not in row:
+            row = shape_row(raw, cfg, i, regex)
+            if "prompt" not in row:
                 raise DataError(f"row {i}: column 'prompt' is missing")
             text = prompt_text(row["prompt"], tokenizer, cfg.system_prompt, i)
             tokens = encode_prompt(text, tokenizer, templated=not isinstance(row["prompt"], str))

@@ -89,3 +89,37 @@ def new_head(hidden_size: int, device) -> nn.Linear:
     nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
     nn.init.zeros_(head.bias)
     return head
+
+
+class OutputHead(nn.Module):
+    """The output projection followed by the model's own logit transform, as its ``forward`` applies it after
+    ``lm_head``: Gemma 2/3's final soft-capping ``c * tanh(z / c)``, Cohere's ``z * logit_scale``, Granite's
+    ``z / logits_scaling``. Scoring computes log-probs through this, so they describe what the model samples from."""
+
+    def __init__(self, lm_head: nn.Module, softcap: float | None = None, scale: float = 1.0):
+        super().__init__()
+        self.lm_head, self.softcap, self.scale = lm_head, softcap, float(scale)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits.float() / self.softcap) * self.softcap
+        return logits
+
+
+def logit_transform(config) -> dict:
+    """The keyword arguments of :class:`OutputHead` for a transformers config: ``softcap`` from
+    ``final_logit_softcapping`` (Gemma 2/3), ``scale`` from ``logit_scale`` (Cohere) or ``1 / logits_scaling``
+    (Granite); ``{}`` for models whose logits are ``lm_head(h)`` as is (Llama, Qwen2, Mistral, SmolLM2, ...)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out: dict = {}
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        out["softcap"] = float(cap)
+    if getattr(text, "logit_scale", None) not in (None, 1.0):
+        out["scale"] = float(text.logit_scale)
+    elif getattr(text, "logits_scaling", None) not in (None, 1.0):
+        out["scale"] = 1.0 / float(text.logits_scaling)
+    return out

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lorarl.core.losses import entropy_from_logprobs
 from lorarl.model.tokens import position_ids
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ def chunked_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(lm_head(h_t) / temperature)[targets_t], computed ``chunk_size`` positions at a time.
 
-    hidden [B, T, H], targets [B, T] -> logprobs [B, T] fp32 (and entropy [B, T] if asked). Each chunk's logits are
+    hidden [B, T, H], targets [B, T] -> logprobs [B, T] fp32 (and entropy [B, T] if asked; ``lm_head`` maps hidden
+    states to logits, the model's own logit transform included: :meth:`SharedBase.output_head`). Each chunk's logits are
     recomputed in the backward pass (activation checkpointing), so at most one chunk of ``[B, chunk, V]`` fp32
     logits is alive at a time, forward or backward.
     """
@@ -70,8 +72,8 @@ def chunked_token_logprobs(
         logits = lm_head(h).float() / temperature  # [B, c, V]
         lse = torch.logsumexp(logits, dim=-1)  # [B, c]
         lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
-        if with_entropy:
-            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        if with_entropy:  # -inf logits (banned tokens) give 0, not NaN
+            ent = entropy_from_logprobs(logits - lse.unsqueeze(-1))
         else:
             ent = torch.zeros_like(lse)
         return lp, ent

@@ -31,14 +31,22 @@ from torch import nn
 
 from lorarl.config import LoraSettings, ModelConfig
 from lorarl.errors import LorarlError
-from lorarl.model.loading import load_base, lora_config, new_head
+from lorarl.model.loading import OutputHead, load_base, logit_transform, lora_config, new_head
 from lorarl.model.logprobs import chunked_token_logprobs
 from lorarl.model.sampling import use_clean_generation_config
-from lorarl.model.tokens import eos_token_ids, last_token_index, position_ids
+from lorarl.model.tokens import end_of_turn_id, eos_token_ids, last_token_index, position_ids
 
 REFERENCE = "reference"
 HEAD_FILE = "head.safetensors"
 HEAD_ROLES = ("critic", "reward")
+
+
+def _applies_dropout(module: nn.Module) -> bool:
+    if isinstance(module, nn.Dropout):
+        return module.p > 0
+    return any(
+        "dropout" in k and isinstance(v, float) and not isinstance(v, bool) and v > 0 for k, v in vars(module).items()
+    )
 
 
 def _is_lora_of(param_name: str, adapter: str) -> bool:
@@ -72,6 +80,7 @@ class SharedBase:
         # sampling is built from scratch: the folder's generation config (repetition penalty, top-k, ...) is kept
         # only for reporting (lorarl.model.sampling)
         self.hub_generation_config = use_clean_generation_config(model, eos_token_ids(model, tokenizer), self.pad_id)
+        self.check_output_path()
 
     # ---- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -187,15 +196,20 @@ class SharedBase:
 
     # ---- role switching -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def role(self, name: str, train: bool = False) -> Iterator[SharedBase]:
+    def role(self, name: str, train: bool = False, dropout: bool = False) -> Iterator[SharedBase]:
         """Run the body with role ``name`` active (``policy``, ``critic``, ``reward``, ``reference``, ``base``).
 
         ``reference`` is the frozen ``reference`` adapter if there is one, else the base with adapters disabled;
-        ``base`` always disables adapters. ``train`` sets train mode (needed for gradient checkpointing) - dropout
-        is off otherwise. The previous adapter and mode are restored even when the body raises.
+        ``base`` always disables adapters. ``train`` sets train mode (gradient checkpointing needs it). ``dropout``
+        turns dropout on (LoRA dropout and the base's own) -- only supervised stages (SFT, the reward model) ask for
+        it: RL forwards run without dropout, so the log-probs the update computes are those of the function that
+        sampled (with ``lora.dropout > 0`` the first PPO ratio would otherwise not be 1). The previous adapter, mode
+        and dropout states are restored even when the body raises (nested roles included).
         """
         module = self.module
         was_training = module.training
+        dropouts = self._dropout_modules()
+        dropout_states = [m.training for m in dropouts]
         prev = self.peft.active_adapter if self.peft is not None else None
         disable = name == "base" or (name == REFERENCE and not self.has_adapter(REFERENCE))
         if not disable and not self.has_adapter(name):
@@ -203,6 +217,8 @@ class SharedBase:
         grads = {n: [p.requires_grad for p in self.adapter_parameters(n)] for n in self.adapters}
         try:
             module.train(train)
+            for m in dropouts:
+                m.train(train and dropout)
             if disable:
                 ctx = self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext()
                 with ctx:
@@ -218,6 +234,18 @@ class SharedBase:
                     for p, f in zip(self.adapter_parameters(n), flags):
                         p.requires_grad_(f)
             module.train(was_training)
+            for m, state in zip(dropouts, dropout_states):
+                m.train(state)
+
+    def _dropout_modules(self) -> list[nn.Module]:
+        """Every module whose train flag switches dropout on: ``nn.Dropout`` modules (LoRA dropout, GPT-2-style
+        residual dropout) and modules applying a functional dropout from a positive ``*dropout*`` attribute
+        (e.g. an attention's ``attention_dropout``). Cached per set of adapters."""
+        key = tuple(self.adapters)
+        if getattr(self, "_dropouts_key", None) != key:
+            self._dropouts = [m for m in self.module.modules() if _applies_dropout(m)]
+            self._dropouts_key = key
+        return self._dropouts
 
     # ---- forward functions ----------------------------------------------------------------------------------
     def decoder(self) -> nn.Module:
@@ -227,8 +255,37 @@ class SharedBase:
         return inner.get_decoder() if hasattr(inner, "get_decoder") else inner.model
 
     def output_head(self) -> nn.Module:
-        """The output projection hidden -> vocabulary (its LoRA layers, if any, follow the active role)."""
-        return (self.peft.get_base_model() if self.peft is not None else self.base).get_output_embeddings()
+        """Hidden states -> logits as the model's own forward computes them: the output projection (its LoRA layers,
+        if any, follow the active role), then the model's logit transform (:class:`OutputHead`)."""
+        lm_head = (self.peft.get_base_model() if self.peft is not None else self.base).get_output_embeddings()
+        transform = logit_transform(self.base.config)
+        return OutputHead(lm_head, **transform) if transform else lm_head
+
+    @torch.no_grad()
+    def check_output_path(self, n_tokens: int = 8) -> float:
+        """Refuse a model whose forward does something to its logits that :meth:`output_head` does not reproduce:
+        run a few tokens through the model's own forward and through ``decoder() -> output_head()`` and compare.
+        Returns the largest difference; raises LorarlError naming the model type when it is not rounding noise."""
+        vocab = self.base.get_output_embeddings().weight.shape[0]
+        ids = torch.arange(3, 3 + n_tokens, device=self.device).clamp(max=vocab - 1)[None]
+        att = torch.ones_like(ids)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self.role("base"):
+                ref = self.module(input_ids=ids, attention_mask=att).logits.float()
+                ours = self.output_head()(self.hidden_states(ids, att)).float()
+        finally:
+            self.module.train(was_training)
+        diff = float((ref - ours).abs().max())
+        scale = float(ref.abs().max()) + 1.0
+        if not diff <= 1e-3 * scale:
+            mtype = getattr(self.base.config, "model_type", type(self.base).__name__)
+            raise LorarlError(
+                f"model type {mtype}: its forward transforms the logits after the output layer in a way lorarl does "
+                f"not reproduce (max difference {diff:.3g}); log-probs would not describe what it samples: not supported"
+            )
+        return diff
 
     @property
     def attn_implementation(self) -> str:
@@ -239,6 +296,13 @@ class SharedBase:
     def eos_ids(self) -> list[int]:
         """Every id that ends a completion (:func:`lorarl.model.tokens.eos_token_ids`)."""
         return eos_token_ids(self.base, self.tokenizer)
+
+    @property
+    def end_of_turn_id(self) -> int:
+        """The EOS a finished response is scored at (:func:`lorarl.model.tokens.end_of_turn_id`)."""
+        if getattr(self, "_end_of_turn", None) is None:
+            self._end_of_turn = end_of_turn_id(self.base, self.tokenizer)
+        return self._end_of_turn
 
     @property
     def pad_id(self) -> int:

@@ -86,28 +86,52 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def end_of_turn_id(model, tokenizer) -> int:
-    """The EOS id a finished chat response ends with: the id that the chat template itself closes an assistant turn
-    with when it is one of :func:`eos_token_ids` (e.g. ``<|im_end|>`` for Qwen2.5 and SmolLM2, ``<|eot_id|>`` for
-    Llama-3), else the tokenizer's EOS. This is the token a rollout's response stops at, so it is also the one a
-    reward model is trained to read its score at."""
+    """The EOS id a finished chat response ends with: the one the chat template closes an assistant turn with, when
+    it is one of :func:`eos_token_ids` (``<|im_end|>`` for Qwen2.5 and SmolLM2, ``<|eot_id|>`` for Llama-3), else
+    the tokenizer's EOS. The one EOS rule: a completion ends at its first id of :func:`eos_token_ids`, and wherever
+    a finished response is scored by a reward model -- in its training pairs and in rollouts -- its final token is
+    written as this id (:func:`with_end_of_turn`), so the score is always read at the token it was trained on."""
     eos = eos_token_ids(model, tokenizer)
-    template = getattr(tokenizer, "chat_template", None)
-    if template and len(eos) > 1:
+    if getattr(tokenizer, "chat_template", None) and len(eos) > 1:
         try:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False
             )
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            after_y = [i for i in ids if i in eos]
-            if after_y:
-                return int(after_y[-1] if ids[-1] not in eos else ids[-1])
-        except Exception:  # a template that needs other roles: fall back to the tokenizer's EOS
+            closing = [i for i in tokenizer(text, add_special_tokens=False)["input_ids"] if i in eos]
+            if closing:
+                return int(closing[-1])
+        except Exception:  # a template that needs other roles or variables: fall back to the tokenizer's EOS
             pass
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
     if eos:
         return eos[0]
     raise ValueError("the tokenizer has no EOS token and the model's generation config lists none")
+
+
+def with_end_of_turn(ids: list[int], eos_ids: list[int], end_id: int) -> list[int]:
+    """A response's token ids ending with exactly one ``end_id``: a final EOS of another kind is replaced, a
+    missing one appended.
+
+    Example: eos ``{2, 9}``, end 2: ``[5, 9]`` -> ``[5, 2]``; ``[5]`` -> ``[5, 2]``; ``[5, 2]`` -> ``[5, 2]``.
+    """
+    if ids and ids[-1] in eos_ids:
+        return list(ids[:-1]) + [end_id]
+    return list(ids) + [end_id]
+
+
+def end_finished_with(completion_ids: Tensor, mask: Tensor, truncated: Tensor, end_id: int) -> Tensor:
+    """``completion_ids [N, T]`` with the last token of every finished (not truncated) row -- the EOS that ended it,
+    whichever id -- written as ``end_id``; truncated rows unchanged.
+
+    Example: ids ``[[5, 9, 0], [5, 6, 7]]``, mask ``[[1, 1, 0], [1, 1, 1]]``, truncated ``[F, T]``, end 2
+    -> ``[[5, 2, 0], [5, 6, 7]]``.
+    """
+    out = completion_ids.clone()
+    last = mask.long().sum(dim=1) - 1  # [N]
+    rows = (~truncated) & (last >= 0)
+    out[rows, last[rows]] = end_id
+    return out
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:

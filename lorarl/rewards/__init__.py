@@ -9,7 +9,8 @@ completion is then ``[{"role": "assistant", "content": text}]``). Every extra da
 (``answer=[...]``), plus ``completion_ids`` (token ids per completion). ``None`` means "does not apply to this
 completion": the value is left out, like TRL does.
 
-Recipes name a function by built-in name (``numeric_match``, ``format``, ``partial_credit``, ``length_penalty``) or
+Recipes name a function by built-in name (``numeric_match``, ``math_match``, ``format``, ``partial_credit``,
+``length_penalty``, ``code_tests``) or
 as ``module:function`` (``my_rewards:score``, or ``path/to/file.py:score``); ``kwargs`` in the recipe are bound to it.
 
 :class:`RewardScorer` calls each function once per batch and isolates failures: an exception or a timeout turns that
@@ -22,6 +23,7 @@ from lorarl.rewards.builtins import (
     RewardFn,
     format_reward,
     length_penalty,
+    math_match,
     numeric_match,
     partial_credit,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "is_correct",
     "length_penalty",
     "load_reward_fn",
+    "math_match",
     "numeric_match",
     "parse_number",
     "partial_credit",

@@ -3,8 +3,13 @@ and report (strings, chat messages, ``<answer>`` tags, numbers with thousands se
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -59,3 +64,83 @@ def is_correct(completion: Any, answer: Any) -> bool:
     if want is not None and got is not None:
         return math.isclose(want, got, rel_tol=0.0, abs_tol=1e-6)
     return pred.strip() == str(answer).strip()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mathematical equivalence (math-verify: LaTeX, fractions, \boxed{}, units)
+# ---------------------------------------------------------------------------------------------------------------
+
+MATH_ITEM_TIMEOUT_S = 5.0  # each parse / the comparison of one answer (math-verify's timer); slower counts as wrong
+_MV = None  # (math_verify module, extraction configs), imported on first use
+
+
+def answer_region(text: str) -> str:
+    """Where a completion's final answer is looked for: the content of its last ``<answer>...</answer>`` (the R1
+    format), else the whole text."""
+    tags = _ANSWER_TAG.findall(text)
+    return tags[-1] if tags else text
+
+
+def math_equivalent(completion: Any, answer: Any, timeout_s: float | None = MATH_ITEM_TIMEOUT_S) -> bool | None:
+    """Is the completion's final answer mathematically equal to ``answer``, by math-verify (``parse`` then
+    ``verify(gold, prediction)``, the check TRL's ``accuracy_reward`` and Open-R1 use)?
+
+    The gold ``answer`` is parsed as LaTeX or a plain expression (``"72"``, ``"\\frac{3}{4}"``, ``"$0.75$"``; bare
+    LaTeX such as ``"\\sqrt{8}"`` is read as if it stood between ``$`` signs); the prediction is taken from
+    :func:`answer_region` with ``\\boxed{}`` first, then LaTeX, then a plain expression, units normalised
+    (``"\\boxed{5\\text{ cm}}"`` -> 5). None when the gold answer cannot be parsed (the row is left out, like TRL);
+    False when the prediction cannot. Each parse and the comparison run under math-verify's own timer of
+    ``timeout_s`` (whole seconds; a timeout counts as not equivalent); in the main thread a reward's time limit that
+    was running is put back afterwards (math-verify's timer would cancel it), so the answer runs inside it.
+
+    Examples: ``("so it is \\boxed{\\frac{1}{2}}", "0.5")`` -> True; ``("1/2", "0.5")`` -> True; ``("72", "71")``
+    -> False; ``("no idea", "3")`` -> False; ``("12", "")`` -> None.
+    """
+    if answer is None:
+        return None
+    mv, configs = _math_verify()
+    main = threading.current_thread() is threading.main_thread()
+    t = max(1, math.ceil(timeout_s)) if timeout_s and main else None  # math-verify's timer needs the main thread
+    gold_text, text = str(answer), answer_region(completion_text(completion))
+    with _outer_timer_kept(main):
+        gold = mv.parse(gold_text, parsing_timeout=t) or mv.parse(f"${gold_text}$", parsing_timeout=t)
+        if not gold:
+            return None
+        pred = mv.parse(text, extraction_config=configs, parsing_timeout=t)
+        return bool(pred) and bool(mv.verify(gold, pred, timeout_seconds=t))
+
+
+@contextlib.contextmanager
+def _outer_timer_kept(main: bool) -> Iterator[None]:
+    """A SIGALRM timer running before the block (a reward's ``reward.timeout_s``) is running after it, minus the time
+    spent: math-verify's ``signal.alarm`` timeouts cancel it when they end."""
+    remaining, interval = signal.getitimer(signal.ITIMER_REAL) if main else (0.0, 0.0)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        if remaining > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(remaining - (time.monotonic() - t0), 1e-3), interval)
+
+
+def _math_verify():
+    """The ``math_verify`` module and the prediction's extraction configs (imported once, quietly)."""
+    global _MV
+    if _MV is None:
+        import logging
+
+        try:
+            import math_verify
+            from latex2sympy2_extended import NormalizationConfig
+        except ImportError:  # pragma: no cover - a declared dependency
+            raise ImportError("math_match / data.verifier math need the `math-verify` package") from None
+        for name in ("math_verify.parser", "math_verify.grader"):  # "timeout is disabled" (threads), parse errors
+            logging.getLogger(name).setLevel(logging.ERROR)
+        configs = [
+            math_verify.LatexExtractionConfig(
+                normalization_config=NormalizationConfig(units=True), boxed_match_priority=0
+            ),
+            math_verify.ExprExtractionConfig(),
+        ]
+        _MV = (math_verify, configs)
+    return _MV

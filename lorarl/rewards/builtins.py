@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lorarl.rewards.answers import _FORMAT, completion_text, is_correct
+from lorarl.rewards.answers import _FORMAT, MATH_ITEM_TIMEOUT_S, completion_text, is_correct, math_equivalent
 
 RewardFn = Callable[..., list]
 
@@ -21,6 +21,26 @@ def numeric_match(prompts: list, completions: list, answer: list | None = None, 
     ``answer`` column, else 0.0; None for rows whose answer is None."""
     answer = _need(answer, "answer", "numeric_match")
     return [None if a is None else float(is_correct(c, a)) for c, a in zip(completions, answer)]
+
+
+def math_match(
+    prompts: list,
+    completions: list,
+    answer: list | None = None,
+    item_timeout_s: float = MATH_ITEM_TIMEOUT_S,
+    **kwargs,
+) -> list[float | None]:
+    """1.0 when the final answer (inside ``<answer>...</answer>`` if there is one, ``\\boxed{}`` first) is
+    mathematically equal to the ``answer`` column by math-verify (LaTeX, fractions, decimals, units:
+    :func:`lorarl.rewards.answers.math_equivalent`), else 0.0; None for rows whose answer is None or unparseable.
+    Each parse and comparison runs under ``item_timeout_s`` (math-verify's timer), inside the reward's own
+    ``reward.timeout_s``, which keeps running."""
+    answer = _need(answer, "answer", "math_match")
+    out: list[float | None] = []
+    for c, a in zip(completions, answer):
+        ok = math_equivalent(c, a, item_timeout_s)
+        out.append(None if ok is None else float(ok))
+    return out
 
 
 def format_reward(prompts: list, completions: list, **kwargs) -> list[float]:
@@ -93,6 +113,7 @@ def code_tests(
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric_match": numeric_match,
+    "math_match": math_match,
     "code_tests": code_tests,
     "format": format_reward,
     "partial_credit": partial_credit,

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lorarl.errors import LorarlError
 from lorarl.model import HEAD_FILE, SharedBase
+from lorarl.model.tokens import end_finished_with
 from lorarl.phases import phase
 from lorarl.rewards.scorer import RewardScorer, RewardScores
 from lorarl.runs import find_adapter, resolve_path
@@ -118,8 +119,14 @@ class RewardSource:
         rm = None
         total = torch.zeros(len(rollout))
         if self.uses_rm:
+            # one EOS rule: a finished response is scored at the end-of-turn id the reward model was trained on,
+            # whichever EOS id ended it
+            ended = end_finished_with(
+                rollout.completion_ids, rollout.completion_mask, rollout.truncated, self.shared.end_of_turn_id
+            )
+            ids = torch.cat([rollout.prompt_ids, ended], dim=1)
             with phase("scoring"):
-                rm = reward_model_scores(self.shared, rollout.input_ids, rollout.attention_mask, self.batch_size)
+                rm = reward_model_scores(self.shared, ids, rollout.attention_mask, self.batch_size)
             total = total + self.model_weight * rm
         rules = None
         if self.uses_rules:

@@ -1,0 +1,115 @@
+"""``lorarl doctor RUN``: a short health report of a run, read from its files (``recipe.yaml``, ``metrics.jsonl``).
+
+It answers the questions a user asks of a run that does not learn: did the reward and the accuracy move, did
+held-out accuracy follow, how many groups had no reward spread, how far did the policy go from the reference
+(KL, clip fractions), did entropy collapse, did completions drift in length or hit the cap, did the sampler and the
+trainer agree (parity), and which warnings the health checks raised during the run. The text report is followed by
+one JSON line (the same figures) as the last stdout line.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from lorarl.errors import LorarlError
+from lorarl.runs import is_run_dir, read_metrics
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
+def trend(values: list[float], fraction: float = 0.2) -> dict | None:
+    """``{start, end, change}``: the means of the first and last ``fraction`` of ``values`` (at least one each).
+
+    Example: ``[0, 0, 1, 1, 1]``, fraction 0.2 -> start 0.0, end 1.0, change +1.0.
+    """
+    if not values:
+        return None
+    k = max(1, int(len(values) * fraction))
+    start, end = sum(values[:k]) / k, sum(values[-k:]) / k
+    return {"start": round(start, 6), "end": round(end, 6), "change": round(end - start, 6)}
+
+
+def findings(report: dict) -> list[str]:
+    """Plain-words verdicts from a report (empty: nothing stands out)."""
+    out = []
+    reward, acc, ev = report.get("reward_mean"), report.get("accuracy"), report.get("eval_accuracy")
+    if reward and abs(reward["change"]) < 1e-9:
+        out.append("the training reward did not move")
+    if reward and ev and reward["change"] > 0 and ev["change"] < 0:
+        out.append("training reward rose while held-out accuracy fell: look for reward hacking")
+    if acc is not None and acc.get("end", 0) == 0 and acc.get("start", 0) == 0:
+        out.append("no completion was ever correct: start easier (an SFT cold start) or use a partial-credit reward")
+    zs = report.get("zero_std_frac")
+    if zs and zs["end"] >= 0.9:
+        out.append(f"{zs['end']:.0%} of the groups had zero reward spread at the end: GRPO had little to learn from")
+    length = report.get("completion_len")
+    if length and length["start"] > 0 and not 1 / 3 <= length["end"] / length["start"] <= 3:
+        out.append(f"completion length drifted {length['start']:.1f} -> {length['end']:.1f} tokens")
+    trunc = report.get("truncated_frac")
+    if trunc and trunc["end"] > 0.5:
+        out.append(f"{trunc['end']:.0%} of the completions hit generation.max_new_tokens at the end")
+    ent = report.get("entropy")
+    if ent and ent["start"] > 0 and ent["end"] < 0.1 * ent["start"]:
+        out.append(f"entropy collapsed {ent['start']:.3f} -> {ent['end']:.3f}")
+    if report.get("parity_max_mean_abs") is not None and report["parity_max_mean_abs"] > report["parity_tolerance"]:
+        out.append("generator / trainer parity was above its tolerance")
+    out += [f"health warning: {w}" for w in report.get("warnings", [])]
+    return out
+
+
+def diagnose(run: str | Path) -> dict:
+    """The report of run directory ``run`` (see the module docstring)."""
+    run = Path(run)
+    if not run.is_dir() or not is_run_dir(run):
+        raise LorarlError(f"{run}: not a run directory (no recipe.yaml or metrics.jsonl)")
+    rows = read_metrics(run)
+    if not rows:
+        raise LorarlError(f"{run}: metrics.jsonl has no rows yet")
+    recipe = None
+    if (run / "recipe.yaml").is_file():
+        from lorarl.config import load_run_recipe
+
+        recipe = load_run_recipe(run / "recipe.yaml")
+    report: dict = {"run": str(run), "algo": recipe.algo if recipe else None, "steps": rows[-1].get("step")}
+    for key in ("reward_mean", "accuracy", "zero_std_frac", "kl", "clip_frac", "clip_frac_high", "entropy"):
+        report[key] = trend(_values(rows, key))
+    report["completion_len"] = trend(_values(rows, "completion_len"))
+    report["truncated_frac"] = trend(_values(rows, "truncated_frac"))
+    report["eval_accuracy"] = trend(_values(rows, "eval/accuracy"), fraction=0.34)
+    parity = _values(rows, "health/parity_mean_abs")
+    report["parity_checks"] = len(parity)
+    report["parity_max_mean_abs"] = max(parity) if parity else None
+    report["parity_tolerance"] = recipe.health.parity_tolerance if recipe else 0.05
+    warnings: list[str] = []
+    for r in rows:
+        for w in str(r.get("health/warning") or "").split(" | "):
+            if w and w not in warnings:
+                warnings.append(w)
+    report["warnings"] = warnings
+    report["skipped_updates"] = rows[-1].get("skipped_updates")
+    report["findings"] = findings(report)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The human-readable part of ``lorarl doctor``."""
+    lines = [f"run {report['run']} ({report['algo']}, {report['steps']} steps)"]
+    for key in ("reward_mean", "accuracy", "eval_accuracy", "zero_std_frac", "kl", "clip_frac", "entropy"):
+        t = report.get(key)
+        if t:
+            lines.append(f"  {key:<16} {t['start']:>10.4f} -> {t['end']:<10.4f} ({t['change']:+.4f})")
+    for key in ("completion_len", "truncated_frac"):
+        t = report.get(key)
+        if t:
+            lines.append(f"  {key:<16} {t['start']:>10.2f} -> {t['end']:<10.2f}")
+    if report["parity_checks"]:
+        lines.append(
+            f"  parity           {report['parity_checks']} checks, worst mean |delta log-prob| "
+            f"{report['parity_max_mean_abs']:.2e} (tolerance {report['parity_tolerance']:g})"
+        )
+    lines.append("findings:" if report["findings"] else "findings: nothing stands out")
+    lines += [f"  - {f}" for f in report["findings"]]
+    return "\n".join(lines)

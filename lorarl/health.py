@@ -1,0 +1,212 @@
+"""Health checks that make the silent failures of RL fine-tuning loud on the step they happen, each logged in
+``metrics.jsonl`` (``health/...``) and each with an off switch in the recipe's ``health`` section:
+
+* **generator / trainer parity** (``health.parity_every``): on step 1 and every N steps the rollout records the
+  log-prob the sampler drew each token with, and the policy scores a few rows exactly as the update does (train
+  mode, dropout off, the training forward path). Above ``health.parity_tolerance`` (mean |delta| nats per token)
+  the run stops, saying what differs: a stale adapter, a logits processor, a kernel difference.
+* **the adapter is learning** (``health.learning_after``): after N steps that updated, the trained adapter must
+  have moved (a fresh LoRA's B matrices start at 0); if not, a loud warning with the likely causes.
+* **no signal** (``health.no_signal_steps``): when most groups have zero reward spread N steps in a row, GRPO
+  learns nothing; a warning says what to change.
+* **reward hacking / length drift** (``health.alarm_window``, ``health.length_drift``): training reward rising
+  while held-out accuracy falls over the last evaluations (``eval.every``), or completion length far from where
+  it started.
+
+:func:`parity_metrics` is called by the algorithms (it needs the rollout); :class:`HealthMonitor` by the run loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lorarl.errors import LorarlError
+
+
+def parity_due(every: int, step: int) -> bool:
+    """Whether step ``step`` checks generator / trainer parity: step 1 and every ``every`` steps (0: never)."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+def logprob_gap(sampler: Tensor, trainer: Tensor, mask: Tensor) -> dict[str, float]:
+    """``{mean_abs, max_abs, tokens}`` of ``|sampler - trainer|`` over the masked tokens (both ``[N, T]`` log-probs
+    of the same sampled tokens).
+
+    Example: sampler ``[[-1.0, -2.0]]``, trainer ``[[-1.1, -2.0]]``, mask all -> ``mean_abs 0.05, max_abs 0.1``.
+    """
+    m = mask.bool()
+    d = (sampler.float() - trainer.float()).abs()[m]
+    if d.numel() == 0:
+        return {"mean_abs": 0.0, "max_abs": 0.0, "tokens": 0}
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(d.numel())}
+
+
+@torch.no_grad()
+def parity_metrics(shared, rollout, role: str, temperature: float, rows: int) -> dict[str, float]:
+    """Score the first ``rows`` rows of ``rollout`` with ``role`` exactly as the update's forward does (train mode,
+    dropout off, the same log-prob path) and compare with the log-probs the sampler recorded.
+    Returns ``health/parity_mean_abs``, ``health/parity_max_abs``, ``health/parity_tokens``."""
+    from lorarl.model.logprobs import completion_logprobs
+
+    if rollout.sampler_logprobs is None:
+        raise ValueError("the rollout recorded no sampler log-probs (generate_rollout(..., record_sampler=True))")
+    sub = rollout.select(slice(0, min(rows, len(rollout))))
+    with shared.role(role, train=True):
+        lp, _ = completion_logprobs(shared, sub, temperature)
+    gap = logprob_gap(sub.sampler_logprobs.to(lp.device), lp, sub.completion_mask.to(lp.device))
+    return {f"health/parity_{k}": v for k, v in gap.items()}
+
+
+def parity_failure(mean_abs: float, max_abs: float, tolerance: float) -> str | None:
+    """The message that stops a run whose sampler and trainer disagree (None when within ``tolerance``)."""
+    if not mean_abs > tolerance:
+        return None
+    return (
+        f"generator / trainer parity failed: the log-probs the sampler drew tokens with and those the update "
+        f"computes differ by {mean_abs:.4f} nats per token on average (max {max_abs:.3f}; health.parity_tolerance="
+        f"{tolerance:g}). The update would optimise a distribution that did not generate the data. Likely causes: "
+        "the generator runs a stale or different adapter; a logits processor the trainer does not apply; a kernel "
+        "or precision difference between decoding and the training forward (compare generation.engine: hf). Set "
+        "health.parity_every: 0 to run anyway."
+    )
+
+
+@dataclass
+class HealthMonitor:
+    """Watches the metric rows of a run (and the trained adapter's weights); returns warnings, raises on failure."""
+
+    parity_tolerance: float = 0.05
+    learning_after: int = 5
+    no_signal_steps: int = 5
+    no_signal_fraction: float = 0.9
+    alarm_window: int = 3
+    length_drift: float = 2.0
+    start_weights: list[Tensor] | None = None
+    updated_steps: int = 0
+    no_signal_run: int = 0
+    warned: set[str] = field(default_factory=set)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train reward, held-out accuracy)
+    rewards_since_eval: list[float] = field(default_factory=list)
+    first_lengths: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_recipe(cls, recipe, params: list[Tensor]) -> HealthMonitor:
+        h = recipe.health
+        return cls(
+            parity_tolerance=h.parity_tolerance,
+            learning_after=h.learning_after,
+            no_signal_steps=h.no_signal_steps,
+            no_signal_fraction=h.no_signal_fraction,
+            alarm_window=h.alarm_window,
+            length_drift=h.length_drift,
+            start_weights=[p.detach().clone() for p in params],
+        )
+
+    def check(self, step: int, row: dict, params: list[Tensor]) -> list[str]:
+        """Check one step's metrics; add ``health/...`` values to ``row``; return new warnings (each said once)."""
+        if "health/parity_mean_abs" in row:
+            msg = parity_failure(row["health/parity_mean_abs"], row["health/parity_max_abs"], self.parity_tolerance)
+            if msg:
+                raise LorarlError(f"step {step}: {msg}")
+        warnings = [w for w in (self._learning(step, row, params), self._no_signal(row), self._drift(row)) if w]
+        warnings += self._hacking(step, row)
+        fresh = [w for w in warnings if w.split(":")[0] not in self.warned]
+        self.warned |= {w.split(":")[0] for w in fresh}
+        if fresh:
+            row["health/warning"] = " | ".join(fresh)
+        return fresh
+
+    def _learning(self, step: int, row: dict, params: list[Tensor]) -> str | None:
+        """The adapter moved at all? Checked once, after ``learning_after`` steps that ran an update."""
+        if self.learning_after <= 0 or not self.start_weights:
+            return None
+        if row.get("updates", row.get("trained_rows", 1)):
+            self.updated_steps += 1
+        moved = math.sqrt(sum(float((p.detach() - s).pow(2).sum()) for p, s in zip(params, self.start_weights)))
+        row["health/adapter_delta"] = moved
+        if self.updated_steps < self.learning_after or moved > 0:
+            return None
+        grad = row.get("grad_norm", row.get("policy_grad_norm"))
+        return (
+            f"adapter not learning: after {self.updated_steps} steps with updates the trained adapter has not moved "
+            f"(weight change 0, last gradient norm {grad}). Likely causes: train.learning_rate too small or 0 after "
+            "the schedule; lora.target_modules matching no layer; every group with equal rewards (zero advantage)"
+        )
+
+    def _no_signal(self, row: dict) -> str | None:
+        frac = row.get("zero_std_frac")
+        if self.no_signal_steps <= 0 or frac is None:
+            return None
+        self.no_signal_run = self.no_signal_run + 1 if frac >= self.no_signal_fraction else 0
+        if self.no_signal_run < self.no_signal_steps:
+            return None
+        return (
+            f"no signal: {frac:.0%} of the groups had zero reward spread for {self.no_signal_run} steps in a row, so "
+            "GRPO has nothing to learn from. Change: a larger grpo.group_size; a higher generation.temperature; an "
+            "easier task or an SFT cold start (lorarl pipeline); a partial-credit reward (partial_credit, format)"
+        )
+
+    def _drift(self, row: dict) -> str | None:
+        length = row.get("completion_len")
+        if self.length_drift <= 0 or length is None:
+            return None
+        if len(self.first_lengths) < 5:
+            self.first_lengths.append(float(length))
+            return None
+        start = sum(self.first_lengths) / len(self.first_lengths)
+        ratio = float(length) / max(start, 1e-9)
+        row["health/length_ratio"] = ratio
+        if 1 / self.length_drift <= ratio <= self.length_drift:
+            return None
+        return (
+            f"length drift: mean completion length {length:.1f} tokens is {ratio:.2f}x the first steps' {start:.1f} "
+            f"(health.length_drift={self.length_drift:g}); check for reward hacking through length"
+        )
+
+    def _hacking(self, step: int, row: dict) -> list[str]:
+        reward = row.get("reward_mean")
+        if isinstance(reward, (int, float)) and math.isfinite(reward):
+            self.rewards_since_eval.append(float(reward))
+        acc = row.get("eval/accuracy")
+        if self.alarm_window <= 1 or acc is None or not self.rewards_since_eval:
+            return []
+        mean_reward = sum(self.rewards_since_eval) / len(self.rewards_since_eval)  # training reward since last eval
+        self.rewards_since_eval = []
+        self.evals.append((step, mean_reward, float(acc)))
+        window = self.evals[-self.alarm_window :]
+        if len(window) < self.alarm_window:
+            return []
+        reward_up = window[-1][1] > window[0][1]
+        acc_down = all(b[2] < a[2] for a, b in zip(window, window[1:]))
+        if not (reward_up and acc_down):
+            return []
+        return [
+            f"reward hacking?: training reward rose {window[0][1]:.3f} -> {window[-1][1]:.3f} while held-out "
+            f"accuracy fell {window[0][2]:.3f} -> {window[-1][2]:.3f} over the last {len(window)} evaluations "
+            f"(steps {window[0][0]}-{window[-1][0]}); look at the completions (lorarl chat) and the reward"
+        ]
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to keep warning as an uninterrupted one would (the weights' starting point
+        becomes the resumed weights)."""
+        return {
+            "updated_steps": self.updated_steps,
+            "no_signal_run": self.no_signal_run,
+            "warned": sorted(self.warned),
+            "evals": [list(e) for e in self.evals],
+            "rewards_since_eval": self.rewards_since_eval,
+            "first_lengths": self.first_lengths,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updated_steps, self.no_signal_run = int(state["updated_steps"]), int(state["no_signal_run"])
+        self.warned = set(state["warned"])
+        self.evals = [tuple(e) for e in state["evals"]]
+        self.rewards_since_eval = list(state["rewards_since_eval"])
+        self.first_lengths = list(state["first_lengths"])
+        if self.updated_steps >= self.learning_after:
+            self.warned.add("adapter not learning")  # checked before the interruption
