@@ -3,18 +3,19 @@
     python scripts/ppo_grpo_memory.py                      # embedded default architecture, NF4 on CUDA
     python scripts/ppo_grpo_memory.py --model /path/to/model --prompts 4 --group 4 --max-new-tokens 64
 
-Both runs go through the real training loops (``lorarl.algos.grpo.train`` and ``lorarl.algos.ppo.train``) for
-``--steps`` steps, each in a fresh process, and report the largest ``peak_mem_gb`` of their metrics
-(``torch.cuda.max_memory_allocated``, weights included). On CPU: the peak of the bytes allocated by torch's CPU
-allocator during the training loop (adapters, heads, optimizer states, KV cache, activations, logits), from
-``torch.profiler``'s memory events, with the base loaded before profiling starts (the weights are not included).
+Each algorithm runs in a fresh process that builds the real algorithm from its recipe
+(``lorarl.algos.make_algorithm`` on ``SharedBase.load``) and runs ``--steps`` of its real ``step`` -- the code
+``lorarl train`` runs -- with per-phase peaks read at the phase boundaries the step marks
+(``lorarl.bench.memory.PhasePeaks``). Reported: the largest step peak of each, weights included: on CUDA
+``torch.cuda.max_memory_allocated``; on CPU the same quantity, the bytes of the tensors alive before the step
+(weights, adapters, heads, optimizer states) plus the peak of the step's allocation events (``torch.profiler``).
 
 Same batch shape: GRPO samples ``group`` completions for each of ``prompts`` prompts; PPO samples one completion for
 each of ``prompts * group`` prompts, in one minibatch, with the same micro-batch size and ``max_new_tokens``. The
 model is **randomly initialised** from the given model's config (``--random-init``, the default): memory does not
 depend on the weight values, and a random model practically never emits EOS, so every completion has exactly
 ``max_new_tokens`` tokens in both runs. PPO runs all four roles on the one base (policy, reference, critic, and a
-reward adapter made here with random weights); GRPO runs the policy and the reference (``kl_coef > 0``).
+reward adapter made here with random weights); GRPO runs the policy and the reference (``kl.coef > 0``).
 
 The last stdout line is one JSON object: ``{grpo_peak_gb, ppo_peak_gb, ratio, device, quantization, shape...}``.
 """
@@ -31,30 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-_CHILD = """
-import json, sys, torch
-from lorarl.config import recipe_from_dict
-recipe = recipe_from_dict(json.loads(sys.argv[1]))
-mod = __import__(f"lorarl.algos.{recipe.algo}", fromlist=["train"])
-if torch.cuda.is_available():
-    mod.train(recipe, sys.argv[2])
-else:  # CPU: the allocator's own alloc / free events, summed in time order (peak RSS would hide them)
-    from torch.profiler import ProfilerActivity, profile
-    from lorarl.model import SharedBase
-    shared = SharedBase.load(recipe.model)  # loaded before profiling: the peak is the training loop's own
-    SharedBase.load = classmethod(lambda cls, cfg, device=None: shared)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        mod.train(recipe, sys.argv[2])
-    # each op's net (self) allocation, and frees outside any op ("[memory]"), in time order: live bytes
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    current = peak = 0
-    for e in events:
-        current += e.self_cpu_memory_usage
-        peak = max(peak, current)
-    with open(sys.argv[2] + "/cpu_peak.json", "w") as f:
-        json.dump({"peak_bytes": peak}, f)
-"""
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def make_random_model(src: str, dest: Path) -> Path:
@@ -76,27 +54,81 @@ def make_random_model(src: str, dest: Path) -> Path:
 
 def make_reward_adapter(model_dir: str, dest: Path, quantization: str) -> Path:
     """A reward adapter + score head with random weights (for the memory measurement only)."""
-    import torch
-
+    from lorarl.bench.synthetic import add_random_reward_adapter
     from lorarl.config import LoraSettings, ModelConfig
     from lorarl.model import SharedBase
 
     shared = SharedBase.load(ModelConfig(name=model_dir, quantization=quantization))
-    shared.add_adapter("reward", LoraSettings(r=16), head=True)
-    with torch.no_grad():
-        for p in shared.adapter_parameters("reward"):
-            p.add_(torch.randn_like(p) * 0.01)
-    shared.save_adapter("reward", dest / "reward")
-    return dest
+    return add_random_reward_adapter(shared, dest / "reward", LoraSettings(r=16))
 
 
-def run_one(recipe: dict, run_dir: Path) -> float:
+def worker(recipe_json: str, out_file: Path) -> None:
+    """In this fresh process: the real algorithm from the recipe, its ``train.steps`` steps measured; writes the
+    largest step peak and each phase's largest peak (bytes) to ``out_file``."""
+    from lorarl.algos import make_algorithm
+    from lorarl.bench.memory import PhasePeaks, run_step, tensor_bytes
+    from lorarl.config import recipe_from_dict
+    from lorarl.model import SharedBase
+
+    recipe = recipe_from_dict(json.loads(recipe_json), where="<ppo_grpo_memory>")
+    shared = SharedBase.load(recipe.model)
+    algo = make_algorithm(recipe, shared)
+    step_peak, phases = 0, {}
+    for step in range(1, recipe.train.steps + 1):
+        meter = PhasePeaks(shared.device, lambda: tensor_bytes([shared], algo.optimizers.values()))
+        run_step(algo, step, meter)
+        step_peak = max(step_peak, meter.step_peak)
+        phases = {k: max(v, phases.get(k, 0)) for k, v in meter.peaks.items()}
+    out_file.write_text(json.dumps({"peak_bytes": step_peak, "phase_peaks": phases}))
+
+
+def run_one(recipe: dict, run_dir: Path) -> dict:
+    """One algorithm in a fresh process (its peak is its own)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "peaks.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, "-c", _CHILD, json.dumps(recipe), str(run_dir)], check=True, env=env, cwd=str(REPO))
-    if (run_dir / "cpu_peak.json").is_file():
-        return json.loads((run_dir / "cpu_peak.json").read_text())["peak_bytes"] / 2**30
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return max(r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(recipe), "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env, cwd=str(REPO))
+    return json.loads(out.read_text())
+
+
+def recipes(
+    model_dir: str,
+    reward_dir: Path,
+    prompts: int,
+    group: int,
+    max_new_tokens: int,
+    micro_batch: int,
+    steps: int,
+    quantization: str,
+) -> tuple[dict, dict]:
+    """The GRPO and PPO recipes of the same batch shape (see the module docstring)."""
+    common = {
+        "model": {"name": model_dir, "quantization": quantization},
+        "lora": {"r": 16, "alpha": 32.0},
+        "data": {"source": "arithmetic", "train_size": 64, "eval_size": 8},
+        "generation": {"max_new_tokens": max_new_tokens, "temperature": 1.0},
+        "train": {"steps": steps, "micro_batch_size": micro_batch, "learning_rate": 1e-4},
+    }
+    grpo = {
+        **common,
+        "algo": "grpo",
+        "train": {**common["train"], "prompts_per_step": prompts},
+        "grpo": {"group_size": group, "num_iterations": 1, "kl": {"coef": 0.04}},
+    }
+    ppo = {
+        **common,
+        "algo": "ppo",
+        "reward": {"source": "reward_model", "adapter": str(reward_dir)},
+        "train": {**common["train"], "prompts_per_step": prompts * group},
+        "ppo": {
+            "epochs": 1,
+            "minibatch_size": prompts * group,
+            "kl": {"coef": 0.05},
+            "critic": {"init": "fresh", "lora": {"r": 16, "alpha": 32.0}},
+        },
+    }
+    return grpo, ppo
 
 
 def measure(
@@ -118,43 +150,19 @@ def measure(
     work.mkdir(parents=True, exist_ok=True)
     model_dir = str(make_random_model(model, work / "model")) if random_init else model
     reward_dir = make_reward_adapter(model_dir, work / "rm", quantization)
-    common = {
-        "model": {"name": model_dir, "quantization": quantization},
-        "lora": {"r": 16, "alpha": 32.0},
-        "data": {"source": "arithmetic", "train_size": 64, "eval_size": 8},
-        "generation": {"max_new_tokens": max_new_tokens, "temperature": 1.0},
-        "train": {"steps": steps, "micro_batch_size": micro_batch, "learning_rate": 1e-4},
-    }
-    grpo = {
-        **common,
-        "algo": "grpo",
-        "train": {**common["train"], "prompts_per_step": prompts},
-        "grpo": {"group_size": group, "kl_coef": 0.04, "num_iterations": 1},
-    }
-    ppo = {
-        **common,
-        "algo": "ppo",
-        "train": {**common["train"], "prompts_per_step": prompts * group},
-        "ppo": {
-            "reward_adapter": str(reward_dir),
-            "epochs": 1,
-            "minibatch_size": prompts * group,
-            "kl_coef": 0.05,
-            "critic_init": "fresh",
-            "critic_lora": {"r": 16, "alpha": 32.0},
-        },
-    }
-    grpo_peak = run_one(grpo, work / "grpo")
-    ppo_peak = run_one(ppo, work / "ppo")
+    grpo, ppo = recipes(model_dir, reward_dir, prompts, group, max_new_tokens, micro_batch, steps, quantization)
+    g, p = run_one(grpo, work / "grpo"), run_one(ppo, work / "ppo")
     cuda = torch.cuda.is_available()
     return {
-        "grpo_peak_gb": round(grpo_peak, 4),
-        "ppo_peak_gb": round(ppo_peak, 4),
-        "ratio": round(ppo_peak / grpo_peak, 4),
+        "grpo_peak_gb": round(g["peak_bytes"] / 2**30, 4),
+        "ppo_peak_gb": round(p["peak_bytes"] / 2**30, 4),
+        "ratio": round(p["peak_bytes"] / g["peak_bytes"], 4),
+        "grpo_phase_peaks_gb": {k: round(v / 2**30, 4) for k, v in g["phase_peaks"].items()},
+        "ppo_phase_peaks_gb": {k: round(v / 2**30, 4) for k, v in p["phase_peaks"].items()},
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "measure": "torch.cuda.max_memory_allocated"
         if cuda
-        else "CPU allocator peak during training, base weights excluded",
+        else "tensors alive before the step + the CPU allocator's peak during it",
         "quantization": ("nf4" if cuda else "none") if quantization == "auto" else quantization,
         "model": model,
         "random_init": random_init,
@@ -176,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", choices=["auto", "nf4", "none"], default="auto")
     p.add_argument("--real-weights", action="store_true", help="use the model's weights (lengths then vary)")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a recipe as JSON: run it here
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, Path(args.out))
+        return 0
     result = measure(
         args.model,
         prompts=args.prompts,

@@ -4,19 +4,24 @@
 For each model of ``--models`` (default: qwen2.5-0.5b, qwen2.5-1.5b, llama-3.1-8b, qwen2.5-7b, mistral-7b) a fresh
 worker process builds a **random-init** model with the published shape (``lorarl.plan.KNOWN_CONFIGS``; nothing is
 downloaded), in bf16 on the GPU, replaces every decoder projection by a bitsandbytes NF4 ``Linear4bit`` (double
-quantization, bf16 compute: what ``lorarl.model.load_base`` loads), wraps it in lorarl's ``SharedBase`` and runs
-the loops' own building blocks (``lorarl.rollout.generate_rollout``, ``lorarl.update.optimizer_step``,
-``lorarl.core.losses``) exactly as ``lorarl/algos/grpo.py`` (and ``ppo.py``) call them:
+quantization, bf16 compute: what ``lorarl.model.load_base`` loads) and wraps it in lorarl's ``SharedBase``. Then it
+builds the **real algorithm** on it from a recipe (``lorarl.algos.make_algorithm``: a recipe whose model is the
+random-init model's folder, whose prompts are random token ids, ``lorarl.bench.synthetic``) and runs its real
+``step`` -- the code ``lorarl train`` runs, nothing written again here:
 
-* GRPO: generation of ``group_size x prompts`` completions; reference log-probs (``kl_coef > 0``); one optimizer
-  step over micro-batches (PPO-clip + k3 KL, entropy computed, backward, AdamW).
-* PPO: generation of ``prompts`` completions; old / reference log-probs, values (critic adapter + head) and reward
-  scores (frozen reward adapter + head); one optimizer step over micro-batches of the policy loss and one of the
-  critic's value loss.
+* GRPO: generation of ``group_size x prompts`` completions; reference log-probs (``kl_coef > 0``); rewards (a
+  hashed reward with a spread, so every row trains); one optimizer step over micro-batches (PPO-clip + k3 KL,
+  entropy, backward, AdamW).
+* PPO: generation of ``prompts`` completions; old / reference log-probs, reward scores (a frozen reward adapter +
+  head with random weights) and values (critic adapter + head); one policy and one critic optimizer step over
+  micro-batches (one epoch, one minibatch).
 
-Each phase's ``torch.cuda.max_memory_allocated`` (peak stats reset at the phase start) is compared with
-``lorarl.plan.estimate_memory`` for the same settings. The AdamW states are created before the measured step (a
-step on zero gradients), so one step shows the steady state; ``--steps`` runs more (the last is measured). Prints a table and writes ``$OUT/validate_plan.json`` (or ``--out``).
+Each algorithm gets a freshly built model (each sets up its own roles on a bare base, as a run does). The step
+marks its phases (``lorarl.phases``); ``lorarl.bench.memory.PhasePeaks`` reads ``torch.cuda.max_memory_allocated``
+at every phase boundary (reset there), and each phase's peak is compared with ``lorarl.plan.estimate_memory`` for
+the same settings. The AdamW states are created before the measured step (a step on zero gradients), so one step
+shows the steady state; ``--steps`` runs more (the last is measured). Prints a table and writes
+``$OUT/validate_plan.json`` (or ``--out``).
 
 Run on a CUDA machine (the five default models: 8 min on one H100 with ``--jobs 1``, about half that with the
 default ``--jobs 2``; bitsandbytes and peft must import - carry them on PYTHONPATH if the image lacks them)::
@@ -44,18 +49,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DEFAULT_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.1-8b", "qwen2.5-7b", "mistral-7b"]
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 1024,
-    "attention_bias": False,
-}
+# the step's phases (lorarl.phases) compared with the planner, in step order; a training phase holds its optimizer
+COMPARED = ("generation", "scoring", "training", "critic_training")
 PHASE_COMPARE = {"training": ("training", "optimizer"), "critic_training": ("critic_training", "optimizer")}
 
 
@@ -80,6 +75,8 @@ def require_imports(quantization: str) -> None:
 
 # ---- model construction ------------------------------------------------------------------------------------
 def shape_dict(name: str) -> dict:
+    """The published shape of a known model (``lorarl.plan.KNOWN_CONFIGS``), or the tiny test shape."""
+    from lorarl.bench.synthetic import TINY
     from lorarl.plan import KNOWN_CONFIGS
 
     if name == "tiny":
@@ -89,424 +86,185 @@ def shape_dict(name: str) -> dict:
     return dict(KNOWN_CONFIGS[name])
 
 
-def build_config(d: dict):
-    from transformers import AutoConfig
-
-    kw = {
-        k: d[k]
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "tie_word_embeddings",
-            "max_position_embeddings",
-        )
-    }
-    if d["model_type"] == "llama":
-        kw["attention_bias"] = bool(d.get("attention_bias", False))
-    cfg = AutoConfig.for_model(d["model_type"], pad_token_id=0, eos_token_id=1, bos_token_id=2, **kw)
-    cfg.use_cache = True
-    return cfg
-
-
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def quantize_nf4(model, compute_dtype) -> int:
-    """Replace every decoder projection by a bitsandbytes NF4 Linear4bit (double quantization), in place, one at
-    a time on the weights' device. ``lm_head`` and embeddings stay in the compute dtype (as transformers does)."""
-    import bitsandbytes as bnb
+# ---- the worker: one model, GRPO and / or PPO ---------------------------------------------------------------
+def build_shared(args, d: dict, recipe):
+    """The random-init model of shape ``d`` in the recipe's dtype on ``args.device``, its projections NF4 when asked
+    (``lorarl.bench.synthetic.random_model``), wrapped in a SharedBase with the recipe's model section. Returns
+    ``(shared, build seconds, NF4 projections)``."""
     import torch
 
-    n = 0
-    targets = [(name, mod) for name, mod in model.named_modules() if name.split(".")[-1] in LINEAR_NAMES]
-    for name, lin in targets:
-        parent = model.get_submodule(name.rsplit(".", 1)[0])
-        new = bnb.nn.Linear4bit(
-            lin.in_features,
-            lin.out_features,
-            bias=lin.bias is not None,
-            compute_dtype=compute_dtype,
-            compress_statistics=True,
-            quant_type="nf4",
-            device="meta",
-        )
-        new.weight = bnb.nn.Params4bit(
-            lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=new
-        ).to(lin.weight.device)
-        if lin.bias is not None:
-            new.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
-        setattr(parent, name.rsplit(".", 1)[1], new)
-        del lin
-        n += 1
-    model.is_loaded_in_4bit = True  # peft dispatches its bnb LoRA layers on this flag
-    return n
+    from lorarl.bench.synthetic import IdTokenizer, random_model
+    from lorarl.model import SharedBase
+
+    t0 = time.perf_counter()
+    model, n_quant = random_model(d, torch.device(args.device), getattr(torch, recipe.model.dtype), args.quantization)
+    shared = SharedBase(model, IdTokenizer(d["vocab_size"]), recipe.model, base_path=recipe.model.name)
+    return shared, time.perf_counter() - t0, n_quant
 
 
-class StubTokenizer:
-    """What SharedBase and the rollout read from a tokenizer (ids only; texts are not needed here)."""
+def validation_recipe(args, algo: str, work: Path, vocab: int):
+    """The recipe the real algorithm is built from: the random-init model's folder (its config.json), prompts of
+    random ids (:func:`lorarl.bench.synthetic.write_id_prompts`: lengths in [P/2, P], the longest P, exactly one
+    step's worth so every step takes them all), GRPO scored by a hashed reward (a spread, so every row trains),
+    PPO by a frozen reward adapter with random weights; one epoch over one minibatch for PPO."""
+    from lorarl.bench.synthetic import HASHED_REWARD, write_id_prompts
+    from lorarl.config import recipe_from_dict
 
-    pad_token_id = 0
-    eos_token_id = 1
-    bos_token_id = 2
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def __len__(self) -> int:
-        return self.vocab
-
-    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
-        return ["" for _ in sequences]
-
-
-# ---- measurement -------------------------------------------------------------------------------------------
-class Meter:
-    """Peak allocated bytes of a phase: torch.cuda.max_memory_allocated on CUDA; on CPU the running sum of the
-    profiler's allocation events (what the CPU allocator handed out), which approximates the same quantity."""
-
-    def __init__(self, device, shared_gpu: bool = False):
-        self.device = device
-        self.shared_gpu = shared_gpu  # other workers use the GPU: device-level usage is not ours alone
-        self.extra: list[dict] = []  # per measured phase on CUDA: time, reserved bytes, device-level usage
-
-    def measure(self, fn):
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            t = time.perf_counter()
-            out = fn()
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            self.extra.append(
-                {
-                    "shared_gpu": self.shared_gpu,
-                    "seconds": round(time.perf_counter() - t, 2),
-                    "max_reserved": int(torch.cuda.max_memory_reserved()),
-                    "reserved_now": int(torch.cuda.memory_reserved()),
-                    "device_used_now": int(total - free),
-                }
-            )
-            return out, int(torch.cuda.max_memory_allocated()), int(before)
-        from torch.profiler import ProfilerActivity, profile
-
-        t = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = fn()
-        self.extra.append({"seconds": round(time.perf_counter() - t, 2)})
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        events.sort(key=lambda e: e.start_ns())
-        cur = peak = 0
-        for e in events:
-            cur += e.nbytes()
-            peak = max(peak, cur)
-        return out, peak, 0  # relative to the phase start
+    n = args.prompts if algo == "grpo" else args.ppo_prompts
+    data = write_id_prompts(work / f"{algo}-prompts.jsonl", n, args.prompt_len, vocab)
+    lora = {"r": args.lora_r, "alpha": 2.0 * args.lora_r, "target_modules": "all-linear"}
+    if algo == "grpo":
+        section = {"group_size": args.group_size, "num_iterations": 1, "kl": {"coef": args.kl_coef}}
+        reward = {"functions": [{"name": HASHED_REWARD}]}
+    else:
+        section = {"epochs": 1, "minibatch_size": n, "kl": {"coef": 0.05}, "critic": {"lora": lora}}
+        reward = {"source": "reward_model", "adapter": str(work / "reward")}
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return recipe_from_dict(
+        {
+            "algo": algo,
+            "model": {
+                "name": str(work / "model"),
+                "quantization": args.quantization,
+                "dtype": dtype,
+                "gradient_checkpointing": True,
+                "logprob_chunk_size": args.chunk,
+            },
+            "lora": lora,
+            "data": {"source": str(data), "max_prompt_tokens": max(512, args.prompt_len)},
+            "reward": reward,
+            "generation": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+            "train": {
+                "steps": args.steps,
+                "prompts_per_step": n,
+                "micro_batch_size": args.micro_batch,
+                "learning_rate": 1e-5,
+                "seed": 0,
+            },
+            "eval": {"batch_size": 32},  # rows per no-grad reward-model / critic pass
+            algo: section,
+        },
+        where=f"<validate_plan_gpu {algo}>",
+    )
 
 
-def cpu_persistent_bytes(shared, optimizers) -> int:
-    """Bytes of live parameters, buffers and optimizer states (the CPU meter only sees allocations inside a phase)."""
-    seen, total = set(), 0
-    tensors = list(shared.module.parameters()) + list(shared.module.buffers()) + list(shared.heads.parameters())
-    for opt in optimizers:
-        for st in opt.state.values():
-            tensors += [v for v in st.values() if hasattr(v, "untyped_storage")]
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() in seen:
-            continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
-    # bitsandbytes quant states (absmax etc.) are not parameters
-    for m in shared.module.modules():
-        qs = getattr(getattr(m, "weight", None), "quant_state", None)
-        if qs is not None:
-            for t in (qs.absmax, qs.code, getattr(getattr(qs, "state2", None), "absmax", None)):
-                if t is not None and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
-    return total
-
-
-# ---- the worker: one model, GRPO or PPO ------------------------------------------------------------------
-def init_adam_states(opt, params) -> None:
+def warm_optimizers(optimizers) -> None:
     """Create the AdamW states now (a step on zero gradients, weight decay 0: the weights do not move), so the
     measured step sees the steady state of a long run without a warm-up step."""
     import torch
 
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    for opt in optimizers:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
-def worker(args) -> dict:
+def measure_algo(args, algo: str, d: dict, work: Path) -> tuple[dict, dict]:
+    """Build the model, set up the real ``algo`` on it from its recipe, run ``--steps`` of its real ``step`` with
+    per-phase peaks, and compare the last with the planner. Returns ``(comparison, facts of the run)``."""
     import torch
 
-    from lorarl.core.advantages import group_advantages
-    from lorarl.bench import seq_logprobs
-    from lorarl.config import GenerationConfig, LoraSettings, ModelConfig
-    from lorarl.core.losses import kl_k3, ppo_clip_loss, reduce_loss, value_loss
-    from lorarl.model import SharedBase
-    from lorarl.plan import PlanSettings, estimate_memory, model_shape
-    from lorarl.rollout import completion_logprobs, generate_rollout
-    from lorarl.update import micro_batches, optimizer_step
+    from lorarl.algos import make_algorithm
+    from lorarl.bench.memory import PhasePeaks, run_step, tensor_bytes
+    from lorarl.bench.synthetic import add_random_reward_adapter
+    from lorarl.plan import estimate_memory, model_shape
 
-    t0 = time.perf_counter()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.dtype:
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    d = shape_dict(args.worker)
-    cfg = build_config(d)
-    torch.manual_seed(0)
-    with torch.device(device):
-        from transformers import AutoModelForCausalLM
+    recipe = validation_recipe(args, algo, work, d["vocab_size"])
+    shared, t_build, n_quant = build_shared(args, d, recipe)
+    log(f"[{args.worker}] {algo}: built in {t_build:.1f}s ({n_quant} NF4 projections, {recipe.model.dtype})")
+    facts = {"build_s": round(t_build, 1)}
+    if shared.device.type == "cuda":
+        facts["weights_allocated"] = int(torch.cuda.memory_allocated())
+    if algo == "ppo":
+        add_random_reward_adapter(shared, work / "reward", recipe.lora)
+    trainer = make_algorithm(recipe, shared)
+    warm_optimizers(trainer.optimizers.values())
+    for step in range(1, args.steps + 1):
+        meter = PhasePeaks(shared.device, lambda: tensor_bytes([shared], trainer.optimizers.values()))
+        metrics, seconds = run_step(trainer, step, meter)
+        log(
+            f"[{args.worker}] {algo} step {step}: {seconds:.1f}s, completion {metrics['completion_len']:.0f} tokens, "
+            "peaks " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in meter.peaks.items())
+        )
+    measured = {
+        "phases": {k: meter.peaks[k] for k in COMPARED if k in meter.peaks},
+        "all_phases": meter.peaks,
+        "step_peak": meter.step_peak,
+        "allocated_before": meter.first_allocated,
+        "seconds": round(seconds, 2),
+        "rows": args.prompts * args.group_size if algo == "grpo" else args.ppo_prompts,
+        "completion_len": metrics["completion_len"],
+        "P": args.prompt_len,
+    }
+    extra = {
+        k: {**meter.extra.get(k, {}), "seconds": round(meter.seconds.get(k, 0.0), 2)}
+        | ({"shared_gpu": args.jobs > 1} if shared.device.type == "cuda" else {})
+        for k in measured["phases"]
+    }
+    est = estimate_memory(model_shape(d | {"name": args.worker}), plan_settings(args, algo, recipe))
+    return compare(est, measured, extra), facts
 
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
-    n_quant = quantize_nf4(model, dtype) if args.quantization == "nf4" else 0
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    t_build = time.perf_counter() - t0
-    log(f"[{args.worker}] built in {t_build:.1f}s ({n_quant} NF4 projections, {dtype})")
 
-    mcfg = ModelConfig(
-        name=args.worker,
-        quantization=args.quantization,
-        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-        gradient_checkpointing=True,
-        logprob_chunk_size=args.chunk,
-    )
-    shared = SharedBase(model, StubTokenizer(d["vocab_size"]), mcfg, base_path=args.worker)
-    lora = LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, target_modules="all-linear")
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
-    meter = Meter(device, shared_gpu=args.jobs > 1)
-    gen_rng = torch.Generator().manual_seed(1)
-    V = d["vocab_size"]
+def plan_settings(args, algo: str, recipe):
+    """The planner's settings for the measured step (as the validation has always compared them)."""
+    from lorarl.plan import PlanSettings
 
-    def prompts(n: int) -> list[list[int]]:
-        """Random token ids, lengths in [P/2, P] (the longest is P): left padding as real prompts have."""
-        lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (n,), generator=gen_rng).tolist()
-        lens[0] = args.prompt_len
-        return [torch.randint(3, V, (k,), generator=gen_rng).tolist() for k in lens]
-
-    shape = model_shape(d | {"name": args.worker})
     common = dict(
         quantization=args.quantization,
-        dtype_bytes=2 if dtype == torch.bfloat16 else 4,
+        dtype_bytes=2 if recipe.model.dtype == "bfloat16" else 4,
         lora_r=args.lora_r,
         critic_lora_r=args.lora_r,
         prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch,
         logprob_chunk_size=args.chunk,
-        device=device.type,
+        device=args.device,
     )
-    result: dict = {"model": args.worker, "build_s": round(t_build, 1), "device": str(device), "runs": {}}
-    if device.type == "cuda":
+    if algo == "grpo":
+        return PlanSettings(
+            algo="grpo", group_size=args.group_size, prompts_per_step=args.prompts, kl_coef=args.kl_coef, **common
+        )
+    return PlanSettings(algo="ppo", group_size=1, prompts_per_step=args.ppo_prompts, **common)
+
+
+def worker(args) -> dict:
+    """Every algorithm of ``--algos`` on a freshly built model of shape ``args.worker`` (one build per algorithm:
+    each sets up its own roles on a bare base, as a run does)."""
+    import gc
+    import tempfile
+
+    import torch
+
+    from lorarl.bench.synthetic import shape_config
+
+    t0 = time.perf_counter()
+    d = shape_dict(args.worker)
+    result: dict = {"model": args.worker, "device": args.device, "runs": {}, "build_s": 0.0}
+    if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-        result["weights_allocated"] = int(torch.cuda.memory_allocated())
-
-    # ---------------- GRPO ----------------
-    if "grpo" in args.algos:
-        G, n_prompts, kl_coef = args.group_size, args.prompts, args.kl_coef
-        shared.add_adapter("policy", lora)
-        params = shared.trainable_parameters("policy")
-        opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
-        init_adam_states(opt, params)
-        measured_steps = []
-        for step in range(args.steps):
-            t_step = time.perf_counter()
-            phases, before = {}, {}
-            rollout, phases["generation"], before["generation"] = meter.measure(
-                lambda: generate_rollout(shared, prompts(n_prompts), gen, group_size=G, role="policy")
-            )
-            P = rollout.prompt_ids.shape[1]
-            if kl_coef > 0:  # as grpo.py: reference log-probs of all rows in one no-grad pass (rollout batch_size)
-                rollout.ref_logprobs, phases["scoring"], before["scoring"] = meter.measure(
-                    lambda r=rollout, P=P: seq_logprobs(shared, "reference", r, gen.temperature, None)
-                )
-            N, T = rollout.completion_ids.shape
-            rewards = torch.randn(N)
-            adv = group_advantages(rewards, G, "group").advantages
-            loss_mask = rollout.completion_mask.clone()
-            total_tokens = int(loss_mask.sum())
-            rows = torch.arange(N)
-
-            def grpo_loss(mb_rows, rollout=rollout, adv=adv, loss_mask=loss_mask, N=N, total_tokens=total_tokens):
-                mb = rollout.select(mb_rows)
-                mask = loss_mask[mb_rows].to(device)
-                with shared.role("policy", train=True):  # as grpo.py: completions packed behind shared prompts
-                    lp, ent = completion_logprobs(shared, mb, gen.temperature, with_entropy=True)
-                old = lp.detach()
-                per_token, _ = ppo_clip_loss(lp, old, adv[mb_rows].to(device), mask, 0.2, 0.2)
-                if mb.ref_logprobs is not None:
-                    per_token = per_token + kl_coef * kl_k3(lp, mb.ref_logprobs.to(device))
-                loss = reduce_loss(
-                    per_token,
-                    mask,
-                    "seq_mean_token_mean",
-                    total_sequences=N,
-                    total_tokens=max(total_tokens, 1),
-                    max_len=gen.max_new_tokens,
-                )
-                return loss, {"entropy": (float(ent.detach()[mask].sum()), float(mask.sum()))}
-
-            res, phases["training"], before["training"] = meter.measure(
-                lambda rows=rows, grpo_loss=grpo_loss: optimizer_step(
-                    params,
-                    opt,
-                    (rows[s] for s in micro_batches(len(rows), args.micro_batch)),
-                    grpo_loss,
-                    max_grad_norm=1.0,
-                )
-            )
-            dt = time.perf_counter() - t_step
-            log(
-                f"[{args.worker}] grpo step {step + 1}: {dt:.1f}s, rows {N}, completion {T} tokens, prompt {P}, "
-                f"loss {res.loss:.4f}, peaks " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in phases.items())
-            )
-            measured_steps.append(
-                {"phases": phases, "allocated_before": before, "seconds": round(dt, 2), "rows": N, "T": T, "P": P}
-            )
-        if device.type == "cpu":
-            base = cpu_persistent_bytes(shared, [opt])
-            measured_steps[-1]["phases"] = {k: v + base for k, v in measured_steps[-1]["phases"].items()}
-        est = estimate_memory(
-            shape, PlanSettings(algo="grpo", group_size=G, prompts_per_step=n_prompts, kl_coef=kl_coef, **common)
-        )
-        result["runs"]["grpo"] = compare(est, measured_steps[-1], meter.extra)
-        meter.extra = []
-        del opt, params, rollout, res
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    # ---------------- PPO ----------------
-    if "ppo" in args.algos:
-        n_prompts = args.ppo_prompts
-        if not shared.has_adapter("policy"):
-            shared.add_adapter("policy", lora)  # else: GRPO's policy adapter is reused (its weights do not matter)
-        shared.add_adapter("critic", lora)
-        shared.add_adapter("reward", lora, trainable=False)
-        p_params = shared.trainable_parameters("policy")
-        c_params = shared.trainable_parameters("critic")
-        p_opt = torch.optim.AdamW(p_params, lr=1e-5, weight_decay=0.0)
-        c_opt = torch.optim.AdamW(c_params, lr=1e-5, weight_decay=0.0)
-        init_adam_states(p_opt, p_params)
-        init_adam_states(c_opt, c_params)
-        measured_steps = []
-        for step in range(args.steps):
-            t_step = time.perf_counter()
-            phases, before = {}, {}
-            rollout, phases["generation"], before["generation"] = meter.measure(
-                lambda n=n_prompts: generate_rollout(shared, prompts(n), gen, group_size=1, role="policy")
-            )
-            P = rollout.prompt_ids.shape[1]
-            ids, att = rollout.input_ids, rollout.attention_mask
-            sb = 32
-
-            def score(rollout=rollout, ids=ids, att=att, P=P, sb=sb):
-                # as ppo.py: old and reference log-probs of all rows at once (the rollout's batch_size), then
-                # reward scores and values in batches of eval.batch_size rows (32)
-                rollout.old_logprobs = seq_logprobs(shared, "policy", rollout, gen.temperature, None)
-                rollout.ref_logprobs = seq_logprobs(shared, "reference", rollout, gen.temperature, None)
-                vals, scores = [], []
-                with torch.no_grad():
-                    for s in range(0, ids.shape[0], sb):
-                        i, a = ids[s : s + sb].to(device), att[s : s + sb].to(device)
-                        with shared.role("critic"):
-                            vals.append(shared.values(i, a, P).float().cpu())
-                        with shared.role("reward"):
-                            scores.append(shared.scores(i, a).float().cpu())
-                return torch.cat(vals), torch.cat(scores)
-
-            (values, scores), phases["scoring"], before["scoring"] = meter.measure(score)
-            N, T = rollout.completion_ids.shape
-            mask = rollout.completion_mask
-            returns = values + scores[:, None]  # shapes only: GAE is pure CPU math, not a memory term
-            advantages = torch.randn(N, T)
-            total_tokens = int(mask.sum())
-            rows = torch.arange(N)
-
-            def policy_loss(mb_rows, rollout=rollout, advantages=advantages, mask=mask, N=N, tt=total_tokens, T=T):
-                mb = rollout.select(mb_rows)
-                Pm = mb.prompt_ids.shape[1]
-                i, a = mb.input_ids.to(device), mb.attention_mask.to(device)
-                m = mask[mb_rows].to(device)
-                with shared.role("policy", train=True):
-                    lp, _ = shared.token_logprobs(i, a, Pm, gen.temperature, with_entropy=True)
-                per_token, _ = ppo_clip_loss(
-                    lp, mb.old_logprobs.to(device), advantages[mb_rows].to(device), m, 0.2, 0.2
-                )
-                return reduce_loss(
-                    per_token, m, "token_mean", total_sequences=N, total_tokens=max(tt, 1), max_len=T
-                ), {}
-
-            def critic_loss(
-                mb_rows, rollout=rollout, values=values, returns=returns, mask=mask, N=N, tt=total_tokens, T=T
-            ):
-                mb = rollout.select(mb_rows)
-                Pm = mb.prompt_ids.shape[1]
-                i, a = mb.input_ids.to(device), mb.attention_mask.to(device)
-                m = mask[mb_rows].to(device)
-                with shared.role("critic", train=True):
-                    v = shared.values(i, a, Pm)
-                per_token = value_loss(v, values[mb_rows].to(device), returns[mb_rows].to(device), m, 0.2)
-                if isinstance(per_token, tuple):
-                    per_token = per_token[0]
-                return reduce_loss(
-                    per_token, m, "token_mean", total_sequences=N, total_tokens=max(tt, 1), max_len=T
-                ), {}
-
-            _, phases["training"], before["training"] = meter.measure(
-                lambda rows=rows, policy_loss=policy_loss: optimizer_step(
-                    p_params,
-                    p_opt,
-                    (rows[s] for s in micro_batches(len(rows), args.micro_batch)),
-                    policy_loss,
-                    max_grad_norm=1.0,
-                )
-            )
-            _, phases["critic_training"], before["critic_training"] = meter.measure(
-                lambda rows=rows, critic_loss=critic_loss: optimizer_step(
-                    c_params,
-                    c_opt,
-                    (rows[s] for s in micro_batches(len(rows), args.micro_batch)),
-                    critic_loss,
-                    max_grad_norm=1.0,
-                )
-            )
-            dt = time.perf_counter() - t_step
-            log(
-                f"[{args.worker}] ppo step {step + 1}: {dt:.1f}s, rows {N}, completion {T}, prompt {P}, peaks "
-                + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in phases.items())
-            )
-            measured_steps.append(
-                {"phases": phases, "allocated_before": before, "seconds": round(dt, 2), "rows": N, "T": T, "P": P}
-            )
-        if device.type == "cpu":
-            base = cpu_persistent_bytes(shared, [p_opt, c_opt])
-            measured_steps[-1]["phases"] = {k: v + base for k, v in measured_steps[-1]["phases"].items()}
-        est = estimate_memory(
-            shape,
-            PlanSettings(algo="ppo", group_size=1, prompts_per_step=n_prompts, **common),
-        )
-        result["runs"]["ppo"] = compare(est, measured_steps[-1], meter.extra)
+    with tempfile.TemporaryDirectory(prefix="lorarl-validate-") as tmp:
+        work = Path(tmp)
+        shape_config(d).save_pretrained(work / "model")  # the recipe's model folder (config only: shapes)
+        for algo in [a.strip() for a in args.algos.split(",") if a.strip()]:
+            run, facts = measure_algo(args, algo, d, work)
+            result["runs"][algo] = run
+            result["build_s"] = round(result["build_s"] + facts.pop("build_s"), 1)
+            result.update({k: v for k, v in facts.items() if k not in result})
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
 
-def compare(est: dict, measured: dict, extra: list[dict] | None = None) -> dict:
-    """Predicted vs measured per phase (ratio = predicted / measured). A training phase includes its optimizer
-    step, so it is compared with the larger of the two predictions."""
+def compare(est: dict, measured: dict, extra: dict[str, dict] | None = None) -> dict:
+    """Predicted vs measured per phase (ratio = predicted / measured), with each phase's ``extra`` figures
+    (seconds; on CUDA reserved and device-level bytes). A training phase includes its optimizer step, so it is
+    compared with the larger of the two predictions."""
     rows = {}
-    for i, (phase, peak) in enumerate(measured["phases"].items()):
+    for phase, peak in measured["phases"].items():
         keys = PHASE_COMPARE.get(phase, (phase,))
         preds = [est["phases"][k] for k in keys if k in est["phases"]]
         pred = max(preds) if preds else None
@@ -515,9 +273,8 @@ def compare(est: dict, measured: dict, extra: list[dict] | None = None) -> dict:
             "measured": peak,
             "ratio": round(pred / peak, 4) if pred and peak else None,
             "moment": est["moments"].get(phase),
+            **(extra or {}).get(phase, {}),
         }
-        if extra and i < len(extra):
-            rows[phase].update(extra[i])
     used = [r["device_used_now"] for r in rows.values() if "device_used_now" in r and not r.get("shared_gpu")]
     device = {}
     if used:  # whole-device use (context + everything the allocator holds) vs the planner's budget figure

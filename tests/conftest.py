@@ -66,3 +66,20 @@ def tiny_shared(tiny_model_dir):
     from lorarl.model import SharedBase
 
     return SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def engine_site() -> Path:
+    """verl and OpenRLHF at the releases the hand-offs support (lorarl.export.engines: verl.CHECKED,
+    openrlhf.CHECKED), unpacked for a subprocess's PYTHONPATH (tests/handoff_probes/engine_cache.py: pip download
+    --no-deps into $LORARL_CACHE/engine-wheels, reused). Fails, never skips, when the registry cannot be reached."""
+    from handoff_probes.engine_cache import EngineFetchError
+    from handoff_probes.engine_cache import engine_site as fetch
+
+    from lorarl.export.engines.openrlhf import CHECKED as OPENRLHF_RELEASE
+    from lorarl.export.engines.verl import CHECKED as VERL_RELEASE
+
+    try:
+        return fetch([f"verl=={VERL_RELEASE}", f"openrlhf=={OPENRLHF_RELEASE}"])
+    except EngineFetchError as e:
+        pytest.fail(f"the engine releases the hand-off tests check against could not be fetched: {e}", pytrace=False)

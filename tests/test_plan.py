@@ -244,7 +244,8 @@ def test_resolve_micro_batch():
 
 @pytest.mark.slow
 def test_gpu_validation_script_runs_on_cpu(tmp_path):
-    """The GPU validation's code path (model build, SharedBase, GRPO and PPO steps, table, JSON) on a tiny model."""
+    """The GPU validation's code path (model build, SharedBase, the real GRPO and PPO steps built from recipes,
+    per-phase peaks, table, JSON) on a tiny model."""
     import subprocess
     import sys
 
@@ -257,4 +258,67 @@ def test_gpu_validation_script_runs_on_cpu(tmp_path):
     runs = summary["results"][0]["runs"]
     assert set(runs) == {"grpo", "ppo"}
     assert {"generation", "scoring", "training"} <= set(runs["grpo"]["phases"])
+    assert {"generation", "scoring", "training", "critic_training"} <= set(runs["ppo"]["phases"])
+    assert "optimizer" in runs["ppo"]["measured"]["all_phases"]  # phases the real step marks, read by hooks
     assert all(r["measured"] > 0 and r["predicted"] > 0 for run in runs.values() for r in run["phases"].values())
+
+
+# ---- the fast decode engine's static cache and graph pool -------------------------------------------------------
+def test_static_cache_and_graph_pool_terms_by_hand():
+    from lorarl.plan.terms import decode_step_bytes, static_cache_columns, static_kv_cache_bytes
+
+    llama = model_shape("llama-3.1-8b")
+    assert static_cache_columns(100, 128, 64) == 256 and static_cache_columns(100, 128) == 228
+    # 16 rows x 256 columns x (2 x 32 layers x 1024 kv dims x 2 bytes)
+    assert static_kv_cache_bytes(llama, 16, 256, 2) == 16 * 256 * 131072 == 512 * 2**20
+    # one step: a layer's forward with a dequantized 4096 x 14336 projection, or sampling 16 x 128256 x (2 + 16)
+    deq = 4096 * 14336 * 2
+    assert decode_step_bytes(llama, 16, 2, deq) == max(deq + 16 * 204800, 16 * 128256 * 18)
+    assert decode_step_bytes(llama, 64, 2, deq) == 64 * 128256 * 18  # at 64 rows the sampling is the larger
+
+
+def _fast(**kw):
+    base = dict(group_size=8, prompts_per_step=2, prompt_len=128, max_new_tokens=128, micro_batch_size=4)
+    return estimate_memory(model_shape("llama-3.1-8b"), **{**base, **kw})
+
+
+def test_with_cuda_graphs_the_cache_and_pool_are_held_in_every_phase():
+    hf, fast = _fast(), _fast(engine="fast")
+    p = fast["breakdown"]["persistent"]
+    assert p["static_kv_cache"] == 16 * 256 * 131072  # 128 + 128 columns, already a multiple of 64
+    assert p["graph_pool"] > 0
+    held = p["static_kv_cache"] + p["graph_pool"]
+    for phase in ("training", "optimizer"):
+        assert fast["phases"][phase] - hf["phases"][phase] == held
+    assert "static_kv_cache" not in fast["breakdown"]["generation"]  # counted once, as persistent
+    assert "static_kv_cache" not in hf["breakdown"]["persistent"]
+
+
+def test_without_graphs_the_cache_exists_only_while_generating():
+    for kw in (dict(cuda_graphs=False), dict(device="cpu")):
+        est, hf = _fast(engine="fast", **kw), _fast(**kw)
+        assert "static_kv_cache" not in est["breakdown"]["persistent"]
+        assert est["breakdown"]["generation"]["static_kv_cache"] == 16 * 256 * 131072
+        assert est["phases"]["training"] == hf["phases"]["training"]
+
+
+def test_fast_generation_grows_with_rows_and_length():
+    small, large = _fast(engine="fast"), _fast(engine="fast", max_new_tokens=512)
+    assert small["breakdown"]["persistent"]["static_kv_cache"] < large["breakdown"]["persistent"]["static_kv_cache"]
+    more_rows = _fast(engine="fast", prompts_per_step=8)
+    assert more_rows["breakdown"]["persistent"]["graph_pool"] > small["breakdown"]["persistent"]["graph_pool"]
+
+
+def test_cli_plan_shows_the_fast_engines_memory(capsys):
+    from lorarl.cli import main
+
+    recipe = str(REPO / "recipes" / "grpo_arithmetic.yaml")
+    rc = main(["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["settings"]["engine"] == "fast" and result["breakdown_gb"]["persistent"]["static_kv_cache"] > 0
+    assert any("static KV cache" in line and "graph pool" in line for line in out[:-1])
+    main(["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast", "generation.cuda_graphs=false"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("no graphs" in line for line in lines[:-1])

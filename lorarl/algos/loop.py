@@ -88,10 +88,12 @@ def save_best(run_dir: Path, shared: SharedBase, roles: list[str], step: int, me
 
 
 def set_threads() -> int:
-    """On CPU use every core this process may run on (the default can be lower in containers)."""
+    """On CPU use every core this process may run on (the default can be lower in containers), unless the user
+    chose a count: ``LORARL_THREADS`` or ``OMP_NUM_THREADS``."""
+    chosen = os.environ.get("LORARL_THREADS") or os.environ.get("OMP_NUM_THREADS")
     try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
+        n = int(chosen) if chosen else len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):  # not a number / not Linux
         n = os.cpu_count() or 1
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, n))

@@ -239,7 +239,7 @@ def _reward_table(recipe: Recipe, user_files: dict[str, str]) -> tuple[list[str]
     from lorarl.rewards.registry import _metric_names
 
     table, user_loads = [], []
-    for i, (spec, metric) in enumerate(zip(recipe.rewards, _metric_names(recipe.rewards))):
+    for i, (spec, metric) in enumerate(zip(recipe.reward.functions, _metric_names(recipe.reward.functions))):
         if spec.name in BUILTIN_REWARDS:
             fn = BUILTIN_REWARDS[spec.name].__name__
         else:
@@ -267,7 +267,7 @@ def reward_module_source(
     user_files: dict[str, str] | None = None,
     openrlhf_label: str = "answer",
 ) -> str:
-    """The text of a self-contained ``reward.py`` scoring completions like ``recipe.rewards`` does in lorarl.
+    """The text of a self-contained ``reward.py`` scoring completions like ``recipe.reward.functions`` does in lorarl.
 
     Built-in rewards are copied from :mod:`lorarl.rewards` (with the helpers and constants they use); user rewards
     (``module:function``) are imported by name, and ``file.py:function`` from ``user_files[name]`` (a path relative
@@ -278,7 +278,9 @@ def reward_module_source(
     from lorarl.rewards import BUILTIN_REWARDS
 
     template = _template()
-    builtins = list(dict.fromkeys(BUILTIN_REWARDS[s.name] for s in recipe.rewards if s.name in BUILTIN_REWARDS))
+    builtins = list(
+        dict.fromkeys(BUILTIN_REWARDS[s.name] for s in recipe.reward.functions if s.name in BUILTIN_REWARDS)
+    )
     imports, definitions = inline_source(builtins) if builtins else ([], [])
     table, user_loads = _reward_table(recipe, user_files or {})
     fixed = {"import importlib", "import importlib.util", "import json", "import os", "import sys"}

@@ -227,7 +227,7 @@ class SharedBase:
                 self.peft.set_adapter(name)
                 yield self
         finally:
-            if self.peft is not None and prev is not None:
+            if self.peft is not None and prev is not None and prev in self.adapters:  # (prev may have been removed)
                 self.peft.set_adapter(prev)
                 # peft's set_adapter flips requires_grad; restore what each adapter had
                 for n, flags in grads.items():
