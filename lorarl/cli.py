@@ -1,4 +1,4 @@
-"""``lorarl`` command line: models, train, eval, chat, export, bench, plan.
+"""``lorarl`` command line: models, train, pipeline, eval, chat, export, bench, plan.
 
 User errors (recipe, data, files) print one line and exit with code 2; ``--debug`` shows the traceback.
 """
@@ -44,9 +44,24 @@ def cmd_models(args) -> int:
     return 0
 
 
+def refuse_pipeline_recipe(path: str) -> None:
+    """``lorarl train`` on a pipeline recipe: say which command runs it (one line, exit code 2)."""
+    from lorarl.config import yaml_load
+
+    try:
+        data = yaml_load(Path(path).read_text(encoding="utf-8"))
+    except Exception:  # unreadable: load_recipe reports it
+        return
+    if isinstance(data, dict) and "stages" in data:
+        raise LorarlError(
+            f"{path} is a pipeline recipe (it has stages:): run it with `lorarl pipeline {path} --out DIR`"
+        )
+
+
 def cmd_train(args) -> int:
     from lorarl.config import load_recipe
 
+    refuse_pipeline_recipe(args.recipe)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
@@ -70,13 +85,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_pipeline(args) -> int:
+    from lorarl.pipeline import load_pipeline, run_pipeline
+
+    pipe = load_pipeline(args.recipe, args.out, list(args.overrides))
+    result = run_pipeline(pipe, args.out, resume=args.resume, force=args.force)
+    print(result.pop("table"), flush=True)
+    _print_json_last(result)
+    return 0
+
+
 def cmd_eval(args) -> int:
     from lorarl.algos import algorithm_class
     from lorarl.algos.loop import set_threads
     from lorarl.config import load_recipe
 
     recipe = load_recipe(args.recipe, list(args.overrides))
-    evaluate = getattr(algorithm_class(recipe.algo), "evaluate", None)
+    evaluate = getattr(algorithm_class(recipe.algo), "evaluate_checkpoint", None)
     if evaluate is None:  # every policy-training algorithm: greedy held-out evaluation
         from lorarl.evaluate import evaluate
     set_threads()
@@ -88,7 +113,17 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from lorarl.export import export
 
-    result = export(args.run, args.out, fmt=args.format, dtype=args.dtype, force=args.force, checkpoint=args.checkpoint)
+    result = export(
+        args.run,
+        args.out,
+        fmt=args.format,
+        dtype=args.dtype,
+        force=args.force,
+        checkpoint=args.checkpoint,
+        quant=args.quant,
+        gate=args.gate,
+        gate_n=args.gate_n,
+    )
     _print_json_last(result)
     return 0
 
@@ -97,6 +132,15 @@ def cmd_chat(args) -> int:
     from lorarl.chat import launch
 
     launch(runs_dir=args.runs, host=args.host, port=args.port, model=args.model, share=False)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from lorarl.doctor import diagnose, format_report
+
+    report = diagnose(args.run)
+    print(format_report(report))
+    _print_json_last(report)
     return 0
 
 
@@ -129,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="with --convert: convert again even if converted")
     m.set_defaults(func=cmd_models)
 
-    t = sub.add_parser("train", help="train with a recipe (GRPO, PPO or reward model)")
+    t = sub.add_parser("train", help="train with a recipe (GRPO, PPO, reward model, SFT, rejection sampling)")
     t.add_argument("recipe", help="recipe YAML file")
     t.add_argument("--out", required=True, help="run directory")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
@@ -140,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     t.set_defaults(func=cmd_train)
 
+    pp = sub.add_parser("pipeline", help="run a pipeline recipe's stages in order (SFT, rejection sampling, RL, ...)")
+    pp.add_argument("recipe", help="pipeline recipe YAML file (with `stages:`)")
+    pp.add_argument("--out", required=True, help="output directory (one run directory per stage)")
+    pp.add_argument("--resume", action="store_true", help="continue: finished stages are kept, the current one resumes")
+    pp.add_argument("--force", action="store_true", help="delete a non-empty --out and start over")
+    pp.add_argument("overrides", nargs="*", help="STAGE.section.key=value (or defaults. / evaluation.) overrides")
+    pp.set_defaults(func=cmd_pipeline)
+
     e = sub.add_parser("eval", help="evaluate a checkpoint (or the base) on the recipe's held-out set")
     e.add_argument("recipe")
     e.add_argument("--checkpoint", required=True, help="'base', a run directory, or an adapter folder")
@@ -147,11 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     e.set_defaults(func=cmd_eval)
 
-    x = sub.add_parser("export", help="export a run: merged model, adapter, or verl / OpenRLHF hand-off")
+    x = sub.add_parser("export", help="export a run: merged model, adapter, GGUF + Ollama, or verl / OpenRLHF hand-off")
     x.add_argument("run", help="run directory (or a checkpoint folder inside it)")
     x.add_argument("--out", required=True, help="export folder (written atomically)")
-    x.add_argument("--format", choices=["merged", "adapter", "verl", "openrlhf"], default="merged")
-    x.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    x.add_argument("--format", choices=["merged", "adapter", "gguf", "verl", "openrlhf"], default="merged")
+    x.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="merged weights (default bf16; gguf: fp32)"
+    )
+    x.add_argument("--quant", default="f16", help="GGUF type: f16, bf16, q8_0 or q4_k_m (default f16)")
+    x.add_argument(
+        "--gate", type=float, default=None, metavar="MIN", help="fail the export below this greedy agreement (0-1)"
+    )
+    x.add_argument("--gate-n", type=int, default=64, help="held-out prompts the fidelity gate compares on (0 skips it)")
     x.add_argument(
         "--checkpoint", default=None, help="a step checkpoint name (step-NNNNNN) instead of the final adapter"
     )
@@ -164,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=7860)
     c.add_argument("--model", default=None, help="base model (default: the runs' base, else the embedded default)")
     c.set_defaults(func=cmd_chat)
+
+    dr = sub.add_parser("doctor", help="a health report of a run (reward, accuracy, KL, entropy, length, warnings)")
+    dr.add_argument("run", help="run directory")
+    dr.set_defaults(func=cmd_doctor)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks")
     b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory"])

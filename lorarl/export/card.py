@@ -18,6 +18,8 @@ HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 WHAT = {
     "merged": "the policy LoRA adapter merged into the full-precision base, saved in {dtype}",
     "adapter": "the policy LoRA adapter (PEFT format)",
+    "gguf": "the policy LoRA adapter merged into the full-precision base, converted by llama.cpp's converter into one "
+    "GGUF file ({quant}) with an Ollama Modelfile",
     "verl": "a hand-off to continue the run on verl",
     "openrlhf": "a hand-off to continue the run on OpenRLHF",
 }
@@ -33,16 +35,64 @@ def fmt_value(v: Any) -> str:
 def _front_matter(src: RunSource, fmt: str, algo: str, model_name: str) -> list[str]:
     """The YAML header the Hugging Face hub reads (library, tags, ``base_model`` when it is a hub model)."""
     hub = HUB_IDS.get(model_name) or (model_name if not Path(model_name).expanduser().exists() else None)
-    library = {"merged": "transformers", "adapter": "peft"}.get(fmt, "peft")
-    tags = ["lorarl", algo, "lora", "reinforcement-learning"] + (["merged"] if fmt == "merged" else [])
+    library = {"merged": "transformers", "adapter": "peft", "gguf": "gguf"}.get(fmt, "peft")
+    tags = ["lorarl", algo, "lora", "reinforcement-learning"] + (["merged"] if fmt in ("merged", "gguf") else [])
+    tags += ["gguf", "llama.cpp", "ollama"] if fmt == "gguf" else []
     front: dict[str, Any] = {"library_name": library, "tags": tags}
     if hub:
         front["base_model"] = hub
     return ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
 
 
+def ollama_name(src: RunSource) -> str:
+    """A model name for ``ollama create``: the run directory's name, lower case, ``[a-z0-9._-]`` only."""
+    raw = (src.run_dir.name if src.run_dir else src.adapter_dir.name) or "lorarl"
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in raw.lower()).strip("-.")
+    return f"lorarl-{name or 'model'}"
+
+
+def _how_to_run_gguf(src: RunSource, info: dict) -> list[str]:
+    """llama.cpp, llama-cpp-python and Ollama commands for the GGUF file, with this folder's absolute path."""
+    folder = Path(info.get("out") or "PATH/TO/THIS/FOLDER").resolve()
+    gguf = Path(info["gguf"]).name
+    lines = [
+        "",
+        "## How to run it",
+        "",
+        "Ollama (the Modelfile holds the chat template, the stop tokens and the run's sampling parameters):",
+        "",
+        "```bash",
+        f"ollama create {ollama_name(src)} -f {folder / 'Modelfile'}",
+        f'ollama run {ollama_name(src)} "What is 23 + 45? Reply with only the number."',
+        "```",
+        "",
+        "llama.cpp and llama-cpp-python (the chat template is in the file's metadata):",
+        "",
+        "```bash",
+        f"llama-cli -m {folder / gguf} -cnv",
+        "```",
+        "",
+        "```python",
+        "from llama_cpp import Llama",
+        "",
+        f'llm = Llama(model_path="{folder / gguf}")',
+        'print(llm.create_chat_completion([{"role": "user", "content": "What is 23 + 45?"}], temperature=0))',
+        "```",
+        "",
+        f"LM Studio: import `{gguf}` (`lms import {folder / gguf}`).",
+    ]
+    if info.get("quantizer"):
+        lines += ["", f"Quantized to {info['quant']} by {info['quantizer']} from an f16 GGUF."]
+    if info.get("modelfile", {}).get("template") is None:
+        lines += ["", "The Modelfile has no TEMPLATE: Ollama takes the chat template from the GGUF's metadata."]
+    return lines
+
+
 def _how_to_load(src: RunSource, fmt: str, info: dict) -> list[str]:
-    """The "How to load it" section: plain transformers for a merged model, peft for an adapter."""
+    """The "How to load it" section: plain transformers for a merged model, peft for an adapter, llama.cpp /
+    Ollama for a GGUF."""
+    if fmt == "gguf":
+        return _how_to_run_gguf(src, info)
     lines = ["", "## How to load it", ""]
     if fmt == "merged":
         return lines + [
@@ -111,19 +161,35 @@ def model_card(src: RunSource, fmt: str, dtype: str, info: dict | None = None) -
     lines += [
         f"# lorarl {algo} export ({fmt})",
         "",
-        f"This folder holds {WHAT[fmt].format(dtype=dtype)}, from {step} of a lorarl run.",
+        f"This folder holds {WHAT[fmt].format(dtype=dtype, quant=info.get('quant'))}, from {step} of a lorarl run.",
         "",
         f"- run: `{src.run_dir}`" if src.run_dir else "- run: (adapter folder exported on its own)",
         f"- adapter: `{src.adapter_dir}`",
         f"- base model: `{model_name}` (weights loaded from `{src.base_path}`)",
     ]
+    merge = (
+        "- merged into the base reloaded in fp32 (never into the 4-bit NF4 weights used during training, which "
+        "would re-quantize the LoRA delta)"
+    )
     if fmt == "merged":
+        lines.append(merge + "; `config.json` carries no quantization_config")
+    elif fmt == "gguf":
         lines.append(
-            "- merged into the base reloaded in fp32 (never into the 4-bit NF4 weights used during training, which "
-            "would re-quantize the LoRA delta); `config.json` carries no quantization_config"
+            f"{merge}, saved in {info.get('merged_dtype')} and converted by llama.cpp's `{info.get('converter')}`"
         )
     lines += _how_to_load(src, fmt, info)
     if fmt in ("verl", "openrlhf"):
         lines += ["", *info.get("card", [])]
+    if info.get("gate"):
+        from lorarl.export.gate import card_section
+
+        lines += card_section(info["gate"])
+    elif fmt in ("merged", "adapter", "gguf"):
+        lines += [
+            "",
+            "## Fidelity gate",
+            "",
+            "Skipped (`--gate-n 0`): this export was not compared with the training model.",
+        ]
     lines += _run_sections(src, info)
     return "\n".join(lines) + "\n"

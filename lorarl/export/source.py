@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorarl.config import Recipe, load_recipe
+from lorarl.config import Recipe, load_run_recipe
 from lorarl.errors import LorarlError
 from lorarl.runs import (
     ADAPTER_CONFIG,
@@ -132,7 +132,7 @@ def locate(run: str | os.PathLike, checkpoint: str | None = None) -> RunSource:
     # a checkpoint's own recipe first (the run's may have been edited for a resume)
     candidates = [folder / "recipe.yaml" for folder in (cp, run_dir) if folder is not None]
     recipe_path = next((c for c in candidates if c.is_file()), None)
-    recipe = load_recipe(recipe_path) if recipe_path else None
+    recipe = load_run_recipe(recipe_path) if recipe_path else None
 
     step = checkpoint_step(cp) if cp is not None else None
     metrics = metrics_at(read_metrics(run_dir) if run_dir else [], step)
