@@ -147,7 +147,8 @@ def cmd_doctor(args) -> int:
 def cmd_bench(args) -> int:
     from lorarl.bench import run_bench
 
-    result = run_bench(args.which, steps=args.steps, model=args.model, out=args.out)
+    options = {k: getattr(args, k) for k in ("shapes", "batches", "new_tokens", "repeats", "profile")}
+    result = run_bench(args.which, steps=args.steps, model=args.model, out=args.out, rollout_options=options)
     _print_json_last(result)
     return 0
 
@@ -229,8 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     dr.set_defaults(func=cmd_doctor)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks")
-    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory"])
+    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory", "rollout"])
     b.add_argument("--steps", type=int, default=5)
+    b.add_argument(
+        "--shapes", default=None, help="rollout: random-init NF4 shapes (CUDA default: llama-3.1-8b,qwen2.5-7b,qwen2.5-1.5b)"
+    )
+    b.add_argument("--batches", default="1,16,64", help="rollout: decode batch sizes")
+    b.add_argument("--new-tokens", type=int, default=64, help="rollout: tokens decoded per measurement")
+    b.add_argument("--repeats", type=int, default=3, help="rollout: measurements per engine and batch")
+    b.add_argument("--profile", action="store_true", help="rollout: a torch profiler summary of one decode step")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--out", default=None, help="folder for the raw per-engine results")
     b.set_defaults(func=cmd_bench)

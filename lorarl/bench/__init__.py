@@ -21,7 +21,7 @@ from lorarl.bench import grpo_vs_trl, ppo_memory
 from lorarl.bench.procs import machine_description
 from lorarl.errors import LorarlError
 
-BENCHES = ("grpo-vs-trl", "ppo-memory")
+BENCHES = ("grpo-vs-trl", "ppo-memory", "rollout")
 GRPO_SETTINGS = grpo_vs_trl.SETTINGS
 PPO_SETTINGS = ppo_memory.SETTINGS
 
@@ -34,8 +34,12 @@ def run_bench(
     timeout: float = 3600,
     ppo_prompts: int | None = None,
     ppo_max_new_tokens: int | None = None,
+    rollout_options: dict | None = None,
 ) -> dict:
-    """Run benchmark ``which`` (``grpo-vs-trl`` or ``ppo-memory``); print a table; return the result dict.
+    """Run benchmark ``which`` (``grpo-vs-trl``, ``ppo-memory`` or ``rollout``); print a table; return the result.
+
+    ``rollout_options``: the rollout bench's shapes / batches / new_tokens / repeats / profile
+    (:mod:`lorarl.bench.rollout`).
 
     ``steps`` are grpo-vs-trl's steps per engine; ``ppo_prompts`` / ``ppo_max_new_tokens`` shrink the PPO step
     (tests; the defaults are :data:`PPO_SETTINGS`). ``timeout`` is per worker process. Workers use every CPU this
@@ -47,7 +51,13 @@ def run_bench(
         raise LorarlError("bench: --steps must be >= 1")
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="lorarl-bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    if which == "grpo-vs-trl":
+    if which == "rollout":
+        import argparse
+
+        from lorarl.bench import rollout
+
+        result = rollout.run_cli(argparse.Namespace(model=model, out=str(out_dir), **(rollout_options or {})))
+    elif which == "grpo-vs-trl":
         result = grpo_vs_trl.run(steps, model, out_dir, timeout)
     else:
         result = ppo_memory.run(model, out_dir, timeout, ppo_prompts, ppo_max_new_tokens)

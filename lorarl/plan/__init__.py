@@ -12,6 +12,7 @@ Modules
   constants, and :func:`total_bytes` (the budget's view of a peak);
 * :mod:`lorarl.plan.estimate`: :class:`PlanSettings` and :func:`estimate_memory`, composed of one function per
   phase (persistent terms, generation, scoring, training, critic training, optimizer);
+* :mod:`lorarl.plan.engine`: the generation phase under the fast decode engine (static cache, graph pool);
 * :mod:`lorarl.plan.choice`: :func:`pick_micro_batch` (the largest sizes that fit a budget) and its advice;
 * :mod:`lorarl.plan.recipes`: a recipe's settings and shape, :func:`plan_recipe` (``lorarl plan``),
   :func:`resolve_micro_batch` (``train.micro_batch_size: auto``).
@@ -53,6 +54,12 @@ Generation (``B = generation rows`` per ``generate`` call; GRPO: ``group_size x 
 With shared prompts (GRPO, ``group_size > 1``, all rows in one ``generate`` call; ``lorarl.rollout``) the prefill
 runs over the ``m`` distinct prompts only (``m P kv`` + one layer's forward over ``m P`` tokens), then a **cache
 copy** moment holds ``(m + B) P kv`` while each prompt's cache is copied to the rows that share it.
+
+Under the fast decode engine (``generation.engine: fast``, :mod:`lorarl.plan.engine`) generation allocates a
+**static KV cache** ``B Lc kv`` (``Lc = P + C``, rounded up to 64 with CUDA graphs) and one decode step's
+allocations, the **graph pool** ``max(dequantized projection + B x layer forward, B V (dt + 16))``; with CUDA graphs
+both are kept between rollouts, so they are persistent terms (in every phase), and the generation moments are the
+prefill of the ``m`` distinct prompts, the copy of their caches to the rows, and the output buffers ``12 B C``.
 
 Scoring (no-grad forwards over the rollout, ``B`` = the scoring rows: GRPO's reference log-probs when
 ``kl_coef > 0``, old log-probs when ``num_iterations > 1``; PPO's old / reference log-probs, values and reward
@@ -122,11 +129,14 @@ from lorarl.plan.terms import (
     NF4_NESTED_BLOCK,
     RUNTIME_OVERHEAD_BYTES,
     base_weight_bytes,
+    decode_step_bytes,
     layer_forward_bytes_per_token,
     layer_train_bytes_per_token,
     lora_params,
     nf4_bytes,
     resolve_targets,
+    static_cache_columns,
+    static_kv_cache_bytes,
     total_bytes,
 )
 
@@ -149,6 +159,7 @@ __all__ = [
     "PlanSettings",
     "StepSizes",
     "base_weight_bytes",
+    "decode_step_bytes",
     "estimate_memory",
     "format_plan",
     "known_config",
@@ -164,5 +175,7 @@ __all__ = [
     "recipe_settings",
     "resolve_micro_batch",
     "resolve_targets",
+    "static_cache_columns",
+    "static_kv_cache_bytes",
     "total_bytes",
 ]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lorarl.errors import LorarlError
+from lorarl.plan.engine import fast_generation_moments, fast_persistent_terms
 from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import (
     CUBLAS_WORKSPACE_BYTES,
@@ -72,6 +73,8 @@ class PlanSettings:
     # GRPO training under checkpointing packs each micro-batch's completions behind their shared prompt
     # (lorarl.rollout.pack_completions); False: one full row per completion (what docs/plan_validation measured)
     packed_training: bool = True
+    engine: str = "hf"  # generation.engine: hf (transformers' generate) | fast (static cache, lorarl.plan.engine)
+    cuda_graphs: bool = True  # generation.cuda_graphs: the fast engine keeps its cache and graph pool (CUDA only)
 
     @property
     def rows(self) -> int:
@@ -152,6 +155,7 @@ def persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[s
         persistent["lora_reference_frozen"] = 4 * z.n_policy
     persistent["adam_states"] = 8 * (z.n_policy + z.n_critic)
     persistent["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if s.device == "cuda" else 0
+    persistent.update(fast_persistent_terms(shape, s, z))
     return persistent
 
 
@@ -199,7 +203,10 @@ def _decode_end_moment(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Mome
 
 def generation_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:
     """Generation (``B`` = generation rows per ``generate`` call): the prefill of the prompts (and, with shared
-    prompts, the copy of their caches) or the end of decoding with the full KV cache."""
+    prompts, the copy of their caches) or the end of decoding with the full KV cache. Under the fast engine:
+    :func:`lorarl.plan.engine.fast_generation_moments`."""
+    if s.engine == "fast":
+        return fast_generation_moments(shape, s, z)
     return {**_prefill_moments(shape, s, z), "decode_end": _decode_end_moment(shape, s, z)}
 
 

@@ -58,6 +58,8 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
         sampling_filters=g.top_p < 1 or g.top_k > 0,
         reference_adapter=bool(m.init_adapter) or (algo == "grpo" and grpo.kl.ref_refresh_every > 0),
         device=device_type,
+        engine=g.engine,
+        cuda_graphs=g.cuda_graphs,
     )
 
 
@@ -133,12 +135,33 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append(f"  {phase:<11} {gb:8.2f} GB allocated{('  (' + top + ')') if top else ''}")
     persist = ", ".join(f"{k} {v:.2f}" for k, v in result["breakdown_gb"]["persistent"].items())
     lines.append(f"  persistent: {persist}")
+    lines.append(decode_engine_line(result))
     lines.append(
         f"  peak: {result['peak_gb']:.2f} GB allocated in {result['peak_phase']}, {result['peak_total_gb']:.2f} GB "
         f"with CUDA context and allocator slack -> {'fits' if result['fits'] else 'DOES NOT FIT'}"
     )
     lines.extend(f"  note: {a}" for a in result["advice"])
     return "\n".join(lines)
+
+
+def decode_engine_line(result: dict[str, Any]) -> str:
+    """The decode engine's own memory: the fast engine's static KV cache and CUDA graph pool (held between
+    rollouts with graphs, else only while generating), or hf's growing cache."""
+    s = result["settings"]
+    if s.get("engine") != "fast":
+        return "  decode engine: hf (transformers' generate; its KV cache grows during generation)"
+    persistent = result["breakdown_gb"]["persistent"]
+    if "static_kv_cache" in persistent:
+        cache, pool = persistent["static_kv_cache"], persistent["graph_pool"]
+        return (
+            f"  decode engine: fast, CUDA graphs: static KV cache {cache:.2f} GB + graph pool {pool:.2f} GB, "
+            "held between rollouts (in every phase above)"
+        )
+    gen = result["breakdown_gb"].get("generation", {})
+    return (
+        f"  decode engine: fast, no graphs: static KV cache {gen.get('static_kv_cache', 0.0):.2f} GB "
+        "allocated while generating"
+    )
 
 
 def resolve_micro_batch(recipe, device_type: str | None = None, budget_gb: float | None = None) -> int:

@@ -328,3 +328,54 @@ def total_bytes(peak_allocated: float) -> int:
     13358993459
     """
     return int(peak_allocated * (1 + ALLOCATOR_SLACK) + RUNTIME_OVERHEAD_BYTES)
+
+
+# ---- the fast decode engine (generation.engine: fast) ---------------------------------------------------------
+FAST_SAMPLING_LOGIT_BYTES = 16  # + dt per [row, vocab]: fp32 scores, softmax, Exp(1) draws, log_softmax (recorded)
+GRAPH_BUCKET = 64  # with CUDA graphs the static cache's length is rounded up to this (lorarl.rollout.fast)
+
+
+def static_cache_columns(prompt_len: int, new_tokens: int, bucket: int = 1) -> int:
+    """Columns of the fast engine's static KV cache: ``ceil((P + C) / bucket) x bucket`` (``bucket`` is
+    :data:`GRAPH_BUCKET` with CUDA graphs, so prompts of other lengths reuse the cache and its captured step).
+
+    >>> static_cache_columns(128, 128, 64), static_cache_columns(100, 128, 64), static_cache_columns(100, 128)
+    (256, 256, 228)
+    """
+    return -(-(prompt_len + new_tokens) // bucket) * bucket
+
+
+def static_kv_cache_bytes(shape: ModelShape, rows: int, columns: int, dtype_bytes: int) -> int:
+    """The static KV cache, allocated whole before decoding: ``B x columns x 2 L kvd dt``.
+
+    16 rows of Llama-3.1-8B, 256 columns, bf16: ``16 x 256 x 128 KiB`` = 512 MiB:
+
+    >>> static_kv_cache_bytes(shape, 16, 256, 2)
+    536870912
+    """
+    return rows * columns * kv_bytes_per_token(shape, dtype_bytes)
+
+
+def decode_step_bytes(shape: ModelShape, rows: int, dtype_bytes: int, dequantized: int) -> int:
+    """What one decode step of the fast engine allocates beyond the cache (the CUDA graph pool when the step is
+    captured: the allocator reuses a freed block inside one capture, so the pool is the step's largest moment):
+    ``max(dequantized + B x`` :func:`layer_forward_bytes_per_token` ``, B V (dt + 16))`` - a layer's forward with
+    a dequantized projection, or the sampling (logits, fp32 scores, softmax, the Exp(1) draws, log-softmax).
+
+    16 rows of Llama-3.1-8B, NF4, bf16: ``max(117440512 + 16 x 204800, 16 x 128256 x 18)``:
+
+    >>> decode_step_bytes(shape, 16, 2, 117440512)
+    120717312
+    """
+    layer = dequantized + rows * layer_forward_bytes_per_token(shape, dtype_bytes, lora=True)
+    sampling = rows * shape.vocab_size * (dtype_bytes + FAST_SAMPLING_LOGIT_BYTES)
+    return max(layer, sampling)
+
+
+def decode_output_bytes(rows: int, new_tokens: int) -> int:
+    """The fast engine's output buffers: int64 ids and fp32 log-probs, ``12 B C``.
+
+    >>> decode_output_bytes(16, 128)
+    24576
+    """
+    return 12 * rows * new_tokens

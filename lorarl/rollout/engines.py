@@ -6,6 +6,10 @@ health check compares it with what the trainer computes). ``generation.engine`` 
 
 * ``hf`` (:class:`HFEngine`): transformers' ``generate`` through PEFT, each prompt prefilled once for its ``G``
   samples (its KV cache copied ``G`` times), every sampling field explicit (:mod:`lorarl.model.sampling`).
+* ``fast`` (:class:`~lorarl.rollout.fast.FastEngine`): a static KV cache, the model's own decode step on one token
+  per row (captured once as a CUDA graph and replayed on CUDA), tokens drawn on the device (on CUDA with
+  ``torch.multinomial``'s own algorithm), the live LoRA adapter unmerged; falls back to ``hf`` for models it
+  cannot drive (``docs/rollout_engine.md``).
 
 Engines are registered in :data:`ENGINES` by name.
 """
@@ -22,6 +26,7 @@ from lorarl.config import GenerationConfig
 from lorarl.model import SharedBase
 from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
 from lorarl.model.tokens import pad_left, position_ids
+from lorarl.rollout.fast import FastEngine
 
 
 @dataclass
@@ -131,7 +136,7 @@ class HFEngine:
         return Sampled(completion_ids, logprobs)
 
 
-ENGINES: dict[str, type] = {"hf": HFEngine}
+ENGINES: dict[str, type] = {"hf": HFEngine, "fast": FastEngine}
 
 
 def make_engine(name: str) -> Engine:
