@@ -3,4 +3,15 @@
 One base model is loaded once (NF4 on CUDA); policy, reference, critic and reward model are LoRA adapters on it.
 """
 
+import logging as _logging
+import warnings as _warnings
+
 __version__ = "0.1.0"
+
+# Library noise a user would otherwise have to learn to ignore, silenced at its source and nothing else:
+# - bitsandbytes (imported by peft) tries to fetch an optional CPU kernel from the hub at import and logs a warning
+#   when it cannot (offline, or no `kernels` package); its own CPU path is used then, which is what lorarl wants.
+# - peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model (a FutureWarning on
+#   every command); the replacement `is_activation_checkpointing` is what lorarl itself calls.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+_warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory", "rollout"])
     b.add_argument("--steps", type=int, default=5)
     b.add_argument(
-        "--shapes", default=None, help="rollout: random-init NF4 shapes (CUDA default: llama-3.1-8b,qwen2.5-7b,qwen2.5-1.5b)"
+        "--shapes",
+        default=None,
+        help="rollout: random-init NF4 shapes (CUDA default: llama-3.1-8b,qwen2.5-7b,qwen2.5-1.5b)",
     )
     b.add_argument("--batches", default="1,16,64", help="rollout: decode batch sizes")
     b.add_argument("--new-tokens", type=int, default=64, help="rollout: tokens decoded per measurement")

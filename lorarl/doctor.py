@@ -15,9 +15,26 @@ from pathlib import Path
 from lorarl.errors import LorarlError
 from lorarl.runs import is_run_dir, read_metrics
 
+# report field -> the metric it reads (the first one a run logs: GRPO's TRL name, then PPO's)
+SERIES = {
+    "reward": ("reward",),
+    "accuracy": ("accuracy",),
+    "frac_reward_zero_std": ("frac_reward_zero_std",),
+    "kl": ("kl", "objective/kl"),
+    "clip_fraction": ("clip_ratio/high_mean", "policy/clipfrac_avg"),
+    "entropy": ("entropy", "policy/entropy_avg"),
+    "completion_length": ("completions/mean_length",),
+    "clipped_ratio": ("completions/clipped_ratio",),
+    "eval_accuracy": ("eval/accuracy",),
+}
 
-def _values(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+def _values(rows: list[dict], keys: tuple[str, ...]) -> list[float]:
+    for key in keys:
+        vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if vals:
+            return vals
+    return []
 
 
 def trend(values: list[float], fraction: float = 0.2) -> dict | None:
@@ -35,20 +52,20 @@ def trend(values: list[float], fraction: float = 0.2) -> dict | None:
 def findings(report: dict) -> list[str]:
     """Plain-words verdicts from a report (empty: nothing stands out)."""
     out = []
-    reward, acc, ev = report.get("reward_mean"), report.get("accuracy"), report.get("eval_accuracy")
+    reward, acc, ev = report.get("reward"), report.get("accuracy"), report.get("eval_accuracy")
     if reward and abs(reward["change"]) < 1e-9:
         out.append("the training reward did not move")
     if reward and ev and reward["change"] > 0 and ev["change"] < 0:
         out.append("training reward rose while held-out accuracy fell: look for reward hacking")
     if acc is not None and acc.get("end", 0) == 0 and acc.get("start", 0) == 0:
         out.append("no completion was ever correct: start easier (an SFT cold start) or use a partial-credit reward")
-    zs = report.get("zero_std_frac")
+    zs = report.get("frac_reward_zero_std")
     if zs and zs["end"] >= 0.9:
         out.append(f"{zs['end']:.0%} of the groups had zero reward spread at the end: GRPO had little to learn from")
-    length = report.get("completion_len")
+    length = report.get("completion_length")
     if length and length["start"] > 0 and not 1 / 3 <= length["end"] / length["start"] <= 3:
         out.append(f"completion length drifted {length['start']:.1f} -> {length['end']:.1f} tokens")
-    trunc = report.get("truncated_frac")
+    trunc = report.get("clipped_ratio")
     if trunc and trunc["end"] > 0.5:
         out.append(f"{trunc['end']:.0%} of the completions hit generation.max_new_tokens at the end")
     ent = report.get("entropy")
@@ -74,12 +91,9 @@ def diagnose(run: str | Path) -> dict:
 
         recipe = load_run_recipe(run / "recipe.yaml")
     report: dict = {"run": str(run), "algo": recipe.algo if recipe else None, "steps": rows[-1].get("step")}
-    for key in ("reward_mean", "accuracy", "zero_std_frac", "kl", "clip_frac", "clip_frac_high", "entropy"):
-        report[key] = trend(_values(rows, key))
-    report["completion_len"] = trend(_values(rows, "completion_len"))
-    report["truncated_frac"] = trend(_values(rows, "truncated_frac"))
-    report["eval_accuracy"] = trend(_values(rows, "eval/accuracy"), fraction=0.34)
-    parity = _values(rows, "health/parity_mean_abs")
+    for key, metrics in SERIES.items():
+        report[key] = trend(_values(rows, metrics), fraction=0.34 if key == "eval_accuracy" else 0.2)
+    parity = _values(rows, ("sampling/sampling_logp_difference/mean",))
     report["parity_checks"] = len(parity)
     report["parity_max_mean_abs"] = max(parity) if parity else None
     report["parity_tolerance"] = recipe.health.parity_tolerance if recipe else 0.05
@@ -97,14 +111,14 @@ def diagnose(run: str | Path) -> dict:
 def format_report(report: dict) -> str:
     """The human-readable part of ``lorarl doctor``."""
     lines = [f"run {report['run']} ({report['algo']}, {report['steps']} steps)"]
-    for key in ("reward_mean", "accuracy", "eval_accuracy", "zero_std_frac", "kl", "clip_frac", "entropy"):
+    for key in ("reward", "accuracy", "eval_accuracy", "frac_reward_zero_std", "kl", "clip_fraction", "entropy"):
         t = report.get(key)
         if t:
-            lines.append(f"  {key:<16} {t['start']:>10.4f} -> {t['end']:<10.4f} ({t['change']:+.4f})")
-    for key in ("completion_len", "truncated_frac"):
+            lines.append(f"  {key:<20} {t['start']:>10.4f} -> {t['end']:<10.4f} ({t['change']:+.4f})")
+    for key in ("completion_length", "clipped_ratio"):
         t = report.get(key)
         if t:
-            lines.append(f"  {key:<16} {t['start']:>10.2f} -> {t['end']:<10.2f}")
+            lines.append(f"  {key:<20} {t['start']:>10.2f} -> {t['end']:<10.2f}")
     if report["parity_checks"]:
         lines.append(
             f"  parity           {report['parity_checks']} checks, worst mean |delta log-prob| "

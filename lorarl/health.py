@@ -26,6 +26,8 @@ from torch import Tensor
 
 from lorarl.errors import LorarlError
 
+PARITY_MEAN, PARITY_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"
+
 
 def parity_due(every: int, step: int) -> bool:
     """Whether step ``step`` checks generator / trainer parity: step 1 and every ``every`` steps (0: never)."""
@@ -49,7 +51,8 @@ def logprob_gap(sampler: Tensor, trainer: Tensor, mask: Tensor) -> dict[str, flo
 def parity_metrics(shared, rollout, role: str, temperature: float, rows: int) -> dict[str, float]:
     """Score the first ``rows`` rows of ``rollout`` with ``role`` exactly as the update's forward does (train mode,
     dropout off, the same log-prob path) and compare with the log-probs the sampler recorded.
-    Returns ``health/parity_mean_abs``, ``health/parity_max_abs``, ``health/parity_tokens``."""
+    Returns TRL's ``sampling/sampling_logp_difference/mean`` and ``.../max`` (the same quantity) and
+    ``health/parity_tokens``."""
     from lorarl.model.logprobs import completion_logprobs
 
     if rollout.sampler_logprobs is None:
@@ -58,7 +61,11 @@ def parity_metrics(shared, rollout, role: str, temperature: float, rows: int) ->
     with shared.role(role, train=True):
         lp, _ = completion_logprobs(shared, sub, temperature)
     gap = logprob_gap(sub.sampler_logprobs.to(lp.device), lp, sub.completion_mask.to(lp.device))
-    return {f"health/parity_{k}": v for k, v in gap.items()}
+    return {
+        "sampling/sampling_logp_difference/mean": gap["mean_abs"],
+        "sampling/sampling_logp_difference/max": gap["max_abs"],
+        "health/parity_tokens": gap["tokens"],
+    }
 
 
 def parity_failure(mean_abs: float, max_abs: float, tolerance: float) -> str | None:
@@ -108,8 +115,8 @@ class HealthMonitor:
 
     def check(self, step: int, row: dict, params: list[Tensor]) -> list[str]:
         """Check one step's metrics; add ``health/...`` values to ``row``; return new warnings (each said once)."""
-        if "health/parity_mean_abs" in row:
-            msg = parity_failure(row["health/parity_mean_abs"], row["health/parity_max_abs"], self.parity_tolerance)
+        if PARITY_MEAN in row:
+            msg = parity_failure(row[PARITY_MEAN], row[PARITY_MAX], self.parity_tolerance)
             if msg:
                 raise LorarlError(f"step {step}: {msg}")
         warnings = [w for w in (self._learning(step, row, params), self._no_signal(row), self._drift(row)) if w]
@@ -138,7 +145,7 @@ class HealthMonitor:
         )
 
     def _no_signal(self, row: dict) -> str | None:
-        frac = row.get("zero_std_frac")
+        frac = row.get("frac_reward_zero_std")
         if self.no_signal_steps <= 0 or frac is None:
             return None
         self.no_signal_run = self.no_signal_run + 1 if frac >= self.no_signal_fraction else 0
@@ -151,7 +158,7 @@ class HealthMonitor:
         )
 
     def _drift(self, row: dict) -> str | None:
-        length = row.get("completion_len")
+        length = row.get("completions/mean_length")
         if self.length_drift <= 0 or length is None:
             return None
         if len(self.first_lengths) < 5:
@@ -168,7 +175,7 @@ class HealthMonitor:
         )
 
     def _hacking(self, step: int, row: dict) -> list[str]:
-        reward = row.get("reward_mean")
+        reward = row.get("reward")
         if isinstance(reward, (int, float)) and math.isfinite(reward):
             self.rewards_since_eval.append(float(reward))
         acc = row.get("eval/accuracy")

@@ -29,10 +29,10 @@ TRACKERS = ("tensorboard", "trackio", "wandb")  # train.report_to values; each i
 IDS_FILE = "trackers.json"  # a run's tracker run ids, so a resumed run continues the same tracker runs
 
 PLOT_PANELS = (  # (title, metric keys, what an empty panel means)
-    ("reward", ("reward_mean",), "not logged"),
+    ("reward", ("reward",), "not logged"),
     ("accuracy", ("accuracy",), "not logged (the data has no `answer` column)"),
     ("KL to reference", ("kl",), "not logged: the reference only runs when kl_coef > 0"),
-    ("completion length (tokens)", ("completion_len",), "not logged"),
+    ("completion length (tokens)", ("completions/mean_length",), "not logged"),
 )
 
 

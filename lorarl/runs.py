@@ -85,8 +85,14 @@ def checkpoint_step(folder: Path) -> int | None:
 
 
 def named_checkpoint(run_dir: Path, name: str) -> Path:
-    """A run's checkpoint by name: ``step-000040``, ``40`` or ``latest``. Raises LorarlError naming what exists."""
+    """A run's checkpoint by name: ``step-000040``, ``40``, ``latest`` or ``best`` (the adapters ``train.keep_best``
+    kept in ``run_dir/best``). Raises LorarlError naming what exists."""
     root = Path(run_dir) / CHECKPOINTS
+    if name == "best":
+        best = Path(run_dir) / "best"
+        if not (best / "best.json").is_file():
+            raise LorarlError(f"{best}: no best checkpoint (train.keep_best names the metric that keeps one)")
+        return best
     if name == "latest":
         cp = latest_checkpoint(run_dir)
         if cp is None:

@@ -98,7 +98,7 @@ def test_ppo_memory_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
         assert {"generation", "scoring", "training", "critic_training"} <= set(v["phase_peaks_gb"])
     assert shared["model_copies"] == 1 and separate["model_copies"] == 4
     # the same PPO step ran on both placements: the same samples, scores and losses
-    for key in ("completion_len", "reward_mean", "policy_loss", "value_loss"):
+    for key in ("completions/mean_length", "reward", "loss/policy_avg", "loss/value_avg"):
         assert shared[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
     assert separate["model_tensors_gb"] > 3 * shared["model_tensors_gb"]
     assert (tmp_path / "result.json").is_file()

@@ -136,7 +136,9 @@ def test_cli_overrides_may_follow_the_options(tmp_path):
 
 
 SHIPPED = sorted(
-    p.name for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml") if not p.name.startswith("pipeline")
+    p.name
+    for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")
+    if not p.name.startswith("pipeline")
 )
 
 

@@ -115,22 +115,23 @@ def test_tiny_grpo_learns_and_writes_the_run_directory(peaky_model_dir, reward_f
     result = train(recipe, out)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 25))
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    first = sum(r["reward"] for r in rows[:5]) / 5
+    last = sum(r["reward"] for r in rows[-5:]) / 5
     assert first < 0.25, first  # ~10% of tokens are in the target set at the start
     assert last > first + 0.2, (first, last)
     # per-step metrics the issue asks for
     need = {
-        "reward_mean",
-        "reward/in_target",
+        "reward",
+        "reward_std",
+        "rewards/in_target/mean",
         "accuracy",
         "kl",
-        "clip_frac_low",
-        "clip_frac_high",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
         "entropy",
-        "completion_len",
-        "truncated_frac",
-        "zero_std_frac",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "frac_reward_zero_std",
         "step_time",
         "tokens_per_s",
         "peak_mem_gb",
@@ -138,13 +139,13 @@ def test_tiny_grpo_learns_and_writes_the_run_directory(peaky_model_dir, reward_f
     assert need <= set(rows[0])
     assert rows[0]["kl"] is None  # grpo.kl.coef = 0: the reference never ran
     assert rows[0]["accuracy"] == 0.0  # arithmetic rows have answers; the random model never gets one right
-    assert all(r["completion_len"] <= 3 for r in rows)
+    assert all(r["completions/mean_length"] <= 3 for r in rows)
     # the run directory
     assert (out / "recipe.yaml").is_file() and (out / "plot.png").stat().st_size > 1000
     assert list((out / "tb").iterdir())
     assert (out / "policy" / "adapter_config.json").is_file()
     assert (out / "policy" / "adapter_model.safetensors").is_file()
-    assert result["steps"] == 24 and result["reward_mean_last10"] > first
+    assert result["steps"] == 24 and result["reward_last10"] > first
     # the saved adapter is the trained policy: evaluation loads it, the base is different
     ev = evaluate(recipe, str(out), n=4)
     base = evaluate(recipe, "base", n=4)
@@ -162,7 +163,7 @@ def test_resume_continues_bit_identically(peaky_model_dir, reward_file, tmp_path
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
-        for k in ("reward_mean", "loss", "grad_norm", "entropy", "completion_len"):
+        for k in ("reward", "loss", "grad_norm", "entropy", "completions/mean_length"):
             assert ra[k] == rb[k], (k, ra["step"])
     from safetensors.torch import load_file
 
@@ -196,8 +197,8 @@ def test_occasional_reward_failures_are_isolated_and_counted(peaky_model_dir, re
     train(recipe, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert [r["reward_failures"] for r in rows] == [0, 1, 1, 2]  # flaky fails on every 2nd call; 2 of 8 calls
-    assert rows[1]["reward/flaky"] is None and rows[0]["reward/flaky"] == 0.0
-    assert rows[1]["reward_mean"] == rows[1]["reward/in_target"]  # the total of the failed step is in_target's
+    assert rows[1]["rewards/flaky/mean"] is None and rows[0]["rewards/flaky/mean"] == 0.0
+    assert rows[1]["reward"] == rows[1]["rewards/in_target/mean"]  # the total of the failed step is in_target's
 
 
 def test_non_finite_loss_skips_updates_then_stops(peaky_model_dir, reward_file, tmp_path, monkeypatch):
@@ -264,7 +265,7 @@ def test_mask_truncated_leaves_nothing_to_train_when_all_rows_are_truncated(peak
     recipe = tiny_recipe(peaky_model_dir, reward_file, grpo={"mask_truncated": True}, train={"steps": 2})
     train(recipe, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    assert all(r["truncated_frac"] == 1.0 and r["trained_rows"] == 0 for r in rows)
+    assert all(r["completions/clipped_ratio"] == 1.0 and r["trained_rows"] == 0 for r in rows)
 
 
 def test_finding_the_policy_adapter_of_a_checkpoint_argument(tmp_path, peaky_model_dir, reward_file):

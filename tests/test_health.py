@@ -9,7 +9,7 @@ import torch
 
 from lorarl.errors import LorarlError
 from lorarl.health import HealthMonitor, logprob_gap, parity_due, parity_failure
-from lorarl.runs import read_metrics
+from lorarl.runs import find_adapter, named_checkpoint, read_metrics
 
 REWARDS = """
 def first_token_even(prompts, completions, completion_ids, **kw):
@@ -68,15 +68,15 @@ def test_monitor_no_signal_drift_and_reward_hacking_alarms():
     mon = HealthMonitor(learning_after=0, no_signal_steps=3, alarm_window=3, length_drift=2.0)
     w = []
     for s in range(1, 3):
-        assert mon.check(s, {"zero_std_frac": 1.0, "completion_len": 10.0}, w) == []
-    assert "no signal" in mon.check(3, {"zero_std_frac": 0.95, "completion_len": 10.0}, w)[0]
+        assert mon.check(s, {"frac_reward_zero_std": 1.0, "completions/mean_length": 10.0}, w) == []
+    assert "no signal" in mon.check(3, {"frac_reward_zero_std": 0.95, "completions/mean_length": 10.0}, w)[0]
     for s in (4, 5):
-        mon.check(s, {"completion_len": 10.0}, w)
-    assert "length drift" in mon.check(6, {"completion_len": 25.0}, w)[0]
+        mon.check(s, {"completions/mean_length": 10.0}, w)
+    assert "length drift" in mon.check(6, {"completions/mean_length": 25.0}, w)[0]
     # reward up, held-out accuracy down over three evaluations
     out = []
     for s, (reward, acc) in enumerate([(0.2, 0.6), (0.5, 0.5), (0.9, 0.3)], start=7):
-        out += mon.check(s, {"reward_mean": reward, "eval/accuracy": acc}, w)
+        out += mon.check(s, {"reward": reward, "eval/accuracy": acc}, w)
     assert len(out) == 1 and out[0].startswith("reward hacking?") and "0.600 -> 0.300" in out[0]
 
 
@@ -88,7 +88,7 @@ def test_parity_is_checked_and_logged_on_the_tiny_model(tiny_model_dir, tmp_path
 
     train(_recipe(tiny_model_dir, tmp_path), tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    gaps = [r["health/parity_mean_abs"] for r in rows]
+    gaps = [r["sampling/sampling_logp_difference/mean"] for r in rows]
     assert len(gaps) == 4 and max(gaps) < 1e-5 and all(r["health/parity_tokens"] > 0 for r in rows)
 
 
@@ -135,19 +135,20 @@ def test_evaluation_during_training_keeps_the_best_adapter(tiny_model_dir, tmp_p
     recipe = _recipe(
         tiny_model_dir,
         tmp_path,
-        train={"steps": 5, "keep_best": "eval/reward_mean"},
+        train={"steps": 5, "keep_best": "eval/reward"},
         eval={"every": 2},
         health={"parity_every": 0},
     )
     summary = train(recipe, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    evals = {r["step"]: r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r}
+    evals = {r["step"]: r["eval/reward"] for r in rows if "eval/reward" in r}
     assert sorted(evals) == [2, 4, 5]  # every 2 steps and the last
     best_step = max(evals, key=lambda s: (evals[s], -s))
     best = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
-    assert best == {"metric": "eval/reward_mean", "value": pytest.approx(evals[best_step]), "step": best_step}
+    assert best == {"metric": "eval/reward", "value": pytest.approx(evals[best_step]), "step": best_step}
     assert (tmp_path / "run" / "best" / "policy" / "adapter_config.json").is_file()
     assert summary["best"]["step"] == best_step
+    assert find_adapter(named_checkpoint(tmp_path / "run", "best")) == tmp_path / "run" / "best" / "policy"
 
 
 def test_doctor_reports_a_run_and_ends_with_json(tiny_model_dir, tmp_path, capsys):
@@ -159,7 +160,9 @@ def test_doctor_reports_a_run_and_ends_with_json(tiny_model_dir, tmp_path, capsy
     out = capsys.readouterr().out.strip().splitlines()
     report = json.loads(out[-1])
     assert report["steps"] == 4 and report["algo"] == "grpo" and report["parity_checks"] == 4
-    assert report["reward_mean"] == {"start": 1.0, "end": 1.0, "change": 0.0}
+    assert report["reward"] == {"start": 1.0, "end": 1.0, "change": 0.0}
     assert "the training reward did not move" in report["findings"]
     assert any(f.startswith("health warning: no signal") for f in report["findings"])
     assert main(["doctor", str(tmp_path)]) == 2  # not a run directory: one line, exit 2
+    with pytest.raises(LorarlError, match="no best checkpoint .train.keep_best"):
+        named_checkpoint(tmp_path / "run", "best")

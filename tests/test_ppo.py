@@ -94,25 +94,25 @@ def toy_run(tiny_model_dir, tmp_path_factory):
 
 def test_easy_reward_rises_and_critic_explained_variance_turns_positive(toy_run):
     run_dir, summary, rows = toy_run
-    rewards = [r["reward_mean"] for r in rows]
+    rewards = [r["reward"] for r in rows]
     ev = [r["explained_variance"] for r in rows]
     assert len(rows) == 10
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert ev[0] < 0 < max(ev[-4:]), ev  # a fresh critic is worse than a constant; it learns
     kl_coefs = [r["kl_coef"] for r in rows]
     assert len(set(kl_coefs)) > 1  # the adaptive controller moved beta
-    for key in (
+    for key in (  # TRL's PPO names where the quantity is the same (docs/metrics.md)
         "rm_score",
-        "kl",
+        "objective/kl",
         "kl_coef",
-        "approx_kl",
-        "clip_frac",
-        "value_loss",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/value_avg",
         "explained_variance",
-        "entropy",
+        "policy/entropy_avg",
         "returns_mean",
-        "completion_len",
-        "truncated_frac",
+        "completions/mean_length",
+        "completions/clipped_ratio",
         "peak_mem_gb",
     ):
         assert key in rows[-1], key
@@ -226,7 +226,7 @@ def test_one_base_serves_all_roles_and_each_step_changes_only_its_role(tiny_mode
     assert state["roles"] == ["policy", "critic"] and state["loop"]["step"] == 2
     algo = state["algo"]
     assert algo["kl_ctl"]["value"] == pytest.approx(
-        rows[-1]["kl_coef"] * (1 + max(min(rows[-1]["kl"] / 0.5 - 1, 0.2), -0.2) * 8 / 100)
+        rows[-1]["kl_coef"] * (1 + max(min(rows[-1]["objective/kl"] / 0.5 - 1, 0.2), -0.2) * 8 / 100)
     )
     assert algo["reward_stats"]["count"] == 16
     trainer = torch.load(ck / "trainer_state.pt", weights_only=True)

@@ -90,6 +90,6 @@ def test_one_grpo_step_of_the_recipe_on_a_tiny_model(gsm8k_repo, tiny_model_dir,
     from lorarl.runs import read_metrics
 
     (row,) = read_metrics(tmp_path / "run")
-    assert row["step"] == 1 and "reward/math_match" in row and "reward/format" in row
+    assert row["step"] == 1 and "rewards/math_match/mean" in row and "rewards/format/mean" in row
     assert row["accuracy"] is not None and 0.0 <= row["accuracy"] <= 1.0
     assert result["data_rows"] == len(GSM_TRAIN) and (tmp_path / "run" / "policy" / "adapter_config.json").is_file()

@@ -10,6 +10,8 @@ ALGORITHMS = {
     "grpo": "lorarl.algos.grpo:GRPO",
     "ppo": "lorarl.algos.ppo:PPO",
     "reward_model": "lorarl.algos.reward_model:RewardModel",
+    "sft": "lorarl.algos.sft:SFT",
+    "rejection_sampling": "lorarl.algos.rejection_sampling:RejectionSampling",
 }
 
 

@@ -141,4 +141,20 @@ def evaluate_policy(algo, role: str = "policy") -> dict:
     from lorarl.evaluate import evaluate_role
 
     out = evaluate_role(algo.shared, algo.recipe, role, algo.recipe.eval.n, source=getattr(algo, "source", None))
-    return {f"eval/{k}": v for k, v in out.items() if isinstance(v, (int, float)) or v is None}
+    return {f"eval/{training_name(k)}": v for k, v in out.items() if isinstance(v, (int, float)) or v is None}
+
+
+def training_name(key: str) -> str:
+    """A ``lorarl eval`` key under the name the same quantity has in the training metrics: ``reward_mean`` ->
+    ``reward``, ``reward/numeric_match`` -> ``rewards/numeric_match/mean`` (TRL's names; docs/metrics.md)."""
+    if key.startswith("reward/"):
+        return f"rewards/{key[len('reward/') :]}/mean"
+    return TRAINING_NAMES.get(key, key)
+
+
+# `lorarl eval`'s keys -> the names the same quantities have in the training metrics (TRL's; docs/metrics.md)
+TRAINING_NAMES = {
+    "reward_mean": "reward",
+    "completion_len": "completions/mean_length",
+    "truncated_frac": "completions/clipped_ratio",
+}

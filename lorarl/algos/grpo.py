@@ -40,6 +40,7 @@ from lorarl.config import GRPOConfig, Recipe
 from lorarl.core.advantages import group_advantages
 from lorarl.core.losses import batch_totals, kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
 from lorarl.core.schedules import advance
+from lorarl.core.stats import nan_std
 from lorarl.health import parity_due, parity_metrics
 from lorarl.metrics import PLOT_PANELS
 from lorarl.model import REFERENCE, SharedBase, completion_logprobs
@@ -266,21 +267,22 @@ class GRPO:
         lengths = rollout.lengths.float()
         valid = ~torch.isnan(scored.total)
         return {
-            "reward_mean": float(torch.nanmean(scored.total)) if valid.any() else float("nan"),
-            "reward_std": float(adv.group_std.mean()),
+            "reward": float(torch.nanmean(scored.total)) if valid.any() else float("nan"),
+            "reward_std": nan_std(scored.total),
+            "reward_std_group": float(adv.group_std.mean()),
             **scored.means(),
             "accuracy": accuracy(self.recipe, rollout.completions, self.prompts.columns(rollout.prompt_index)),
-            "zero_std_frac": float(adv.zero_std.float().mean()),
-            "completion_len": float(lengths.mean()),
-            "truncated_frac": float(rollout.truncated.float().mean()),
+            "frac_reward_zero_std": float(adv.zero_std.float().mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(rollout.truncated.float().mean()),
             "kl": update_stats.get("kl"),
-            "clip_frac_low": update_stats.get("clip_frac_low"),
-            "clip_frac_high": update_stats.get("clip_frac_high"),
+            "clip_ratio/low_mean": update_stats.get("clip_frac_low"),
+            "clip_ratio/high_mean": update_stats.get("clip_frac_high"),
             "approx_kl": update_stats.get("approx_kl"),
             "entropy": update_stats.get("entropy"),
             "loss": update_stats.get("loss"),
             "grad_norm": update_stats.get("grad_norm"),
-            "lr": lr,
+            "learning_rate": lr,
             "trained_rows": int(len(rows)),
             "reward_failures": self.source.failures,
             "skipped_updates": self.guard.skipped,
@@ -294,9 +296,9 @@ class GRPO:
     def progress(self, row: dict) -> dict:
         acc = row.get("accuracy")
         return {
-            "reward": f"{row['reward_mean']:.3f}",
+            "reward": f"{row['reward']:.3f}",
             "acc": f"{acc:.2f}" if acc is not None else "-",
-            "len": f"{row['completion_len']:.0f}",
+            "len": f"{row['completions/mean_length']:.0f}",
         }
 
     def state_dict(self) -> dict:
@@ -316,7 +318,7 @@ class GRPO:
         self.shared.save_adapter(POLICY, run_dir / POLICY)
         return {
             "policy": str(run_dir / POLICY),
-            "reward_mean_last10": tail_mean(history, "reward_mean"),
+            "reward_last10": tail_mean(history, "reward"),
             "accuracy_last10": tail_mean(history, "accuracy"),
             "skipped_updates": self.guard.skipped,
             "reward_failures": self.source.failures,

@@ -87,6 +87,18 @@ def save_best(run_dir: Path, shared: SharedBase, roles: list[str], step: int, me
     return run_dir / "best"
 
 
+def use_deterministic_algorithms() -> None:
+    """``train.deterministic``: torch's deterministic algorithms for the rest of the process (an op without a
+    deterministic version warns instead of failing). On CUDA cuBLAS also needs a fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, set here unless the user set it; it must be set before cuBLAS starts, so
+    before the first matmul). CPU runs are bit-identical without this: the one CPU op that was not (the backward of
+    the prefix-shared forward's row gather) is replaced at its source (``lorarl.model.logprobs.select_cache_rows``)."""
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def set_threads() -> int:
     """On CPU use every core this process may run on (the default can be lower in containers), unless the user
     chose a count: ``LORARL_THREADS`` or ``OMP_NUM_THREADS``."""
@@ -105,6 +117,8 @@ def start_run(recipe: Recipe, out_dir: str | os.PathLike) -> Path:
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_threads()
+    if recipe.train.deterministic:
+        use_deterministic_algorithms()
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")

@@ -66,10 +66,10 @@ from lorarl.tasks import accuracy
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step_halving
 
 PLOT_PANELS = (
-    ("reward (score before shaping)", ("reward_mean",)),
-    ("KL to reference (per sequence)", ("kl",)),
+    ("reward (score before shaping)", ("reward",)),
+    ("KL to reference (per sequence)", ("objective/kl",)),
     ("critic explained variance", ("explained_variance",)),
-    ("response length (tokens)", ("completion_len",)),
+    ("response length (tokens)", ("completions/mean_length",)),
 )
 
 
@@ -219,22 +219,22 @@ class PPO:
         # ===== Metrics ==========================================================================================
         lengths, m_f = rollout.lengths.float(), mask.float()
         return {
-            "reward_mean": float(raw_score.mean()),
+            "reward": float(raw_score.mean()),
             "reward_std": float(raw_score.std()) if N > 1 else 0.0,
             "rm_score": float(scored.reward_model.mean()) if scored.reward_model is not None else None,
-            **{f"reward/{k}": v for k, v in (scored.rules.means() if scored.rules else {}).items()},
+            **{f"rewards/{k}/mean": v for k, v in (scored.rules.means() if scored.rules else {}).items()},
             "score_used": float(score.mean()),
             "accuracy": accuracy(self.recipe, rollout.completions, self.prompts.columns(rollout.prompt_index)),
-            "kl": seq_kl if self.need_ref else None,
+            "objective/kl": seq_kl if self.need_ref else None,
             "kl_per_token": float((kl * m_f).sum() / m_f.sum().clamp(min=1)) if self.need_ref else None,
             "kl_coef": beta,
-            **{k: finite_mean(acc.get(k, [])) for k in STAT_KEYS},
+            **{TRL_NAMES.get(k, k): finite_mean(acc.get(k, [])) for k in STAT_KEYS},
             "explained_variance": ev,
             "values_mean": float(masked_mean(values, mask)),
             "returns_mean": float(masked_mean(returns, mask)),
             "returns_final": float(returns[:, 0].mean()),
-            "completion_len": float(lengths.mean()),
-            "truncated_frac": float(rollout.truncated.float().mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(rollout.truncated.float().mean()),
             "epochs_done": updates / max(math.ceil(N / cfg.minibatch_size), 1),
             "updates": updates,
             "early_stop": early_stop,
@@ -332,10 +332,10 @@ class PPO:
     def progress(self, row: dict) -> dict:
         ev = row["explained_variance"]
         return {
-            "reward": f"{row['reward_mean']:.3f}",
+            "reward": f"{row['reward']:.3f}",
             "ev": f"{ev:.2f}" if ev is not None else "-",
-            "kl": f"{row['kl'] or 0.0:.2f}",
-            "len": f"{row['completion_len']:.0f}",
+            "kl": f"{row['objective/kl'] or 0.0:.2f}",
+            "len": f"{row['completions/mean_length']:.0f}",
         }
 
     def state_dict(self) -> dict:
@@ -361,13 +361,22 @@ class PPO:
         return {
             "policy": str(run_dir / POLICY),
             "critic": str(run_dir / CRITIC),
-            "reward_mean_first10": tail_mean(history, "reward_mean", head=True),
-            "reward_mean_last10": tail_mean(history, "reward_mean"),
+            "reward_first10": tail_mean(history, "reward", head=True),
+            "reward_last10": tail_mean(history, "reward"),
             "explained_variance_last10": tail_mean(history, "explained_variance"),
-            "kl_last10": tail_mean(history, "kl"),
+            "kl_last10": tail_mean(history, "objective/kl"),
             "kl_coef": self.kl_ctl.value,
             "skipped_updates": self.guard.skipped,
         }
 
 
 STAT_KEYS = ("approx_kl", "clip_frac", "entropy", "policy_loss", "ptx_loss", "value_loss", "value_clip_frac")
+# the update's statistics under TRL's PPO names (docs/metrics.md)
+TRL_NAMES = {
+    "approx_kl": "policy/approxkl_avg",
+    "clip_frac": "policy/clipfrac_avg",
+    "entropy": "policy/entropy_avg",
+    "policy_loss": "loss/policy_avg",
+    "value_loss": "loss/value_avg",
+    "value_clip_frac": "val/clipfrac_avg",
+}

@@ -47,8 +47,8 @@ from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 PLOT_PANELS = (
     ("Bradley-Terry loss", ("loss",)),
     ("pairwise accuracy", ("accuracy", "eval/accuracy")),
-    ("score margin r_chosen - r_rejected", ("reward_margin",)),
-    ("mean score (centering)", ("reward_mean",)),
+    ("score margin r_chosen - r_rejected", ("margin",)),
+    ("mean score (centering)", ("mean_reward",)),
 )
 
 
@@ -167,8 +167,8 @@ def bt_loss(
     with torch.no_grad():
         stats = {
             "accuracy": (float((rc > rr).float().sum()), b),
-            "reward_margin": (float((rc - rr).sum()), b),
-            "reward_mean": (float((rc + rr).sum()) / 2, b),
+            "margin": (float((rc - rr).sum()), b),
+            "mean_reward": (float((rc + rr).sum()) / 2, b),
             "bt_loss": (float(per_pair.sum()), b),
         }
     return per_pair.sum() / batch_pairs, stats
@@ -231,7 +231,7 @@ class RewardModel:
             "loss": result.loss,
             **result.stats,
             "grad_norm": result.grad_norm,
-            "lr": result.lr,
+            "learning_rate": result.lr,
             "epoch": (step - 1) * cfg.batch_size / len(self.train_pairs),
             "skipped_updates": self.guard.skipped,
         }

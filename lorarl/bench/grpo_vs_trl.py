@@ -147,8 +147,8 @@ def worker_lorarl(model: str, steps: int, out: Path) -> dict:
     rows = [r for r in read_metrics(run_dir) if "step" in r]
     return engine_summary(
         [float(r["step_time"]) for r in rows],
-        [float(r["completion_len"]) * ROWS for r in rows],
-        [r.get("reward_mean") for r in rows],
+        [float(r["completions/mean_length"]) * ROWS for r in rows],
+        [r.get("reward") for r in rows],
         peak_memory_bytes(device),
         [r.get("step_cpu_s") for r in rows],
         engine="lorarl",

@@ -134,7 +134,10 @@ def worker(variant: str, model: str, prompts: int, max_new_tokens: int, reward_a
         "tensor_peak_gb": round(meter.step_peak / 1e9, 3),
         "phase_peaks_gb": {k: round(v / 1e9, 3) for k, v in meter.peaks.items()},
         "rows": prompts,
-        **{k: metrics.get(k) for k in ("completion_len", "reward_mean", "kl", "policy_loss", "value_loss")},
+        **{
+            k: metrics.get(k)
+            for k in ("completions/mean_length", "reward", "objective/kl", "loss/policy_avg", "loss/value_avg")
+        },
     }
 
 

@@ -29,6 +29,7 @@ from lorarl.chat.streaming import PaneStreamer, render_prompt, stopping_criteria
 from lorarl.config import GenerationConfig
 from lorarl.errors import LorarlError
 from lorarl.model.sampling import generate_kwargs, use_clean_generation_config
+from lorarl.model.shared import SharedBase
 from lorarl.model.tokens import eos_token_ids, pad_left
 
 PEFT_BASE = "__base__"  # PEFT's name for "no adapter" in a mixed adapter batch
@@ -171,31 +172,30 @@ class ChatEngine:
 
     def _group_model(self, entries: list[Entry], key: str, rows: list[int]) -> tuple[Any, Any, list[str] | None]:
         """``(model, tokenizer, adapter name per row)`` answering one group: a merged export (no names), or the shared
-        base with each row's adapter loaded (``__base__`` for the base; no names while no adapter exists)."""
+        base (:meth:`SharedBase.generate_mixed`) with each row's adapter loaded (``__base__`` for the base; no names
+        while no adapter exists)."""
         if key:
             model, tok = self._export(entries[rows[0]])
             return model, tok, None
         names = [PEFT_BASE if entries[i].kind == "base" else self._adapter(entries[i]) for i in rows]
-        module = self.shared.module  # after loading: the PeftModel once an adapter exists
-        # TODO(SharedBase): SharedBase.generate_mixed(input_ids, attention_mask, adapter_names, **kwargs) -- generate
-        # in eval mode with one adapter per row ("__base__": none), restoring the previous mode afterwards.
-        module.eval()
-        return module, self.shared.tokenizer, names if self.shared.adapters else None
+        return self.shared, self.shared.tokenizer, names if self.shared.adapters else None
 
     def _generate_group(self, model, tok, adapter_names: list[str] | None, rows: list[int], request: _Request) -> None:
-        """Answer panes ``rows`` in one ``generate`` call of ``model`` (``adapter_names``: one per row, or None)."""
+        """Answer panes ``rows`` in one ``generate`` call of ``model`` (a merged export, or the shared base with
+        ``adapter_names``: one per row, or None)."""
+        net = model.module if isinstance(model, SharedBase) else model
         generation = request.generation
         prompts = [
             tok(render_prompt(tok, request.conversations[i]), add_special_tokens=False)["input_ids"] for i in rows
         ]
-        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_pos = getattr(getattr(net, "config", None), "max_position_embeddings", None)
         if isinstance(max_pos, int) and max_pos > 0:
             keep = max(1, max_pos - generation.max_new_tokens)
             prompts = [p[-keep:] for p in prompts]
         pad_id = _pad_id(tok)
-        device = next(model.parameters()).device
+        device = next(net.parameters()).device
         input_ids, attention_mask = pad_left(prompts, pad_id)
-        eos = eos_token_ids(model, tok)
+        eos = eos_token_ids(net, tok)
 
         def on_text(r: int, text: str) -> None:
             request.answers[rows[r]].text = text
@@ -213,11 +213,13 @@ class ChatEngine:
         )
         kwargs.update(use_cache=True, streamer=PaneStreamer(tok, eos, len(rows), on_text))
         kwargs["stopping_criteria"] = stopping_criteria(request.stop)
-        if adapter_names is not None:
-            kwargs["adapter_names"] = adapter_names
         if request.seed >= 0:
             torch.manual_seed(request.seed)
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.long().to(device), **kwargs)
+        ids, mask = input_ids.to(device), attention_mask.long().to(device)
+        if isinstance(model, SharedBase):
+            out = model.generate_mixed(ids, mask, adapter_names, **kwargs)
+        else:
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         for r, ids in enumerate(out[:, input_ids.shape[1] :].tolist()):
             self._finish(request, rows[r], ids, set(eos), tok)
 

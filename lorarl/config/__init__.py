@@ -2,6 +2,18 @@
 :mod:`lorarl.config.loader` with command-line overrides; keys that moved are read under their new names
 (:mod:`lorarl.config.migrate`)."""
 
+from lorarl.config.algorithms import (
+    ALGO_SECTIONS,
+    CriticConfig,
+    GRPOConfig,
+    GRPOKLConfig,
+    PPOConfig,
+    PPOKLConfig,
+    PtxConfig,
+    RewardModelConfig,
+    ScoreConfig,
+)
+from lorarl.config.common import LoraSettings
 from lorarl.config.loader import (
     apply_overrides,
     load_recipe,
@@ -12,25 +24,15 @@ from lorarl.config.loader import (
     yaml_load,
 )
 from lorarl.config.schema import (
-    ALGO_SECTIONS,
     ArithmeticConfig,
-    CriticConfig,
     DataConfig,
     EvalConfig,
     GenerationConfig,
-    GRPOConfig,
-    GRPOKLConfig,
     HealthConfig,
-    LoraSettings,
     ModelConfig,
-    PPOConfig,
-    PPOKLConfig,
-    PtxConfig,
     Recipe,
     RewardConfig,
-    RewardModelConfig,
     RewardSpec,
-    ScoreConfig,
     TrainConfig,
 )
 

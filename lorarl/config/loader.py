@@ -19,8 +19,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from lorarl.config.algorithms import ALGO_SECTIONS, USES
 from lorarl.config.migrate import migrate, migrate_path
-from lorarl.config.schema import ALGO_SECTIONS, USES, Recipe
+from lorarl.config.schema import Recipe
 from lorarl.errors import RecipeError
 
 _NOT_YAML_KEYS = {"source_path"}

@@ -28,6 +28,16 @@ class MeanAccumulator:
         return {k: (self.sums[k] / self.counts[k] if self.counts[k] else float("nan")) for k in self.sums}
 
 
+def nan_std(x: Tensor) -> float:
+    """The unbiased std of the non-NaN entries of ``x`` (TRL's ``reward_std``): ``sqrt(sum (x - mean)^2 / (n - 1))``;
+    0 for fewer than two values.
+
+    Example: ``[1, 3, nan]`` -> ``sqrt(2) = 1.4142``.
+    """
+    v = x[~x.isnan()].double()
+    return float(v.std(unbiased=True)) if v.numel() > 1 else 0.0
+
+
 def finite_mean(values: Iterable) -> float | None:
     """The mean of the finite floats among ``values`` (None when there is none): ``[1.0, nan, 3.0]`` -> 2.0."""
     vals = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]

@@ -169,6 +169,27 @@ def encode_prompt(text: str, tokenizer, templated: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=not templated)["input_ids"]
 
 
+def encode_rows(rows: list, encode, where: str, on_bad_row: str, what: str) -> tuple[list, list, list]:
+    """``encode(row, i) -> (kept row, encoded)`` over ``rows``; a row whose ``encode`` raises :class:`DataError` is
+    bad: ``on_bad_row: fail`` stops with that error (prefixed by ``where``), ``skip`` lists it in ``skipped`` as
+    ``(i, message)``. Returns ``(kept rows, encoded, skipped)``; no usable row at all is always an error."""
+    good, encoded, skipped = [], [], []
+    for i, raw in enumerate(rows):
+        try:
+            row, out = encode(raw, i)
+        except DataError as e:
+            if on_bad_row == "fail":
+                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
+            skipped.append((i, str(e)))
+            continue
+        good.append(row)
+        encoded.append(out)
+    if not good:
+        why = f"; first problem: {skipped[0][1]}" if skipped else ""
+        raise DataError(f"{where}: no usable {what}{why}")
+    return good, encoded, skipped
+
+
 def load_prompts(
     cfg: DataConfig, tokenizer, split: Split = "train", size: int | None = None, recipe_path: str | Path | None = None
 ) -> PromptSet:
@@ -180,28 +201,21 @@ def load_prompts(
     """
     rows, where = source_rows(cfg, split, size, recipe_path)
     regex = answer_regex(cfg.answer_pattern)
-    good_rows, texts, ids, skipped = [], [], [], []
-    for i, raw in enumerate(rows):
-        try:
-            row = shape_row(raw, cfg, i, regex)
-            if "prompt" not in row:
-                raise DataError(f"row {i}: column 'prompt' is missing")
-            text = prompt_text(row["prompt"], tokenizer, cfg.system_prompt, i)
-            tokens = encode_prompt(text, tokenizer, templated=not isinstance(row["prompt"], str))
-            if len(tokens) > cfg.max_prompt_tokens:
-                raise DataError(
-                    f"row {i}: column 'prompt' has {len(tokens)} tokens, more than data.max_prompt_tokens="
-                    f"{cfg.max_prompt_tokens}"
-                )
-        except DataError as e:
-            if cfg.on_bad_row == "fail":
-                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
-            skipped.append((i, str(e)))
-            continue
-        good_rows.append(row)
-        texts.append(text)
-        ids.append(tokens)
-    if not good_rows:
-        why = f"; first problem: {skipped[0][1]}" if skipped else ""
-        raise DataError(f"{where}: no usable rows in the {split} split{why}")
+
+    def encode(raw: Any, i: int) -> tuple[dict, tuple[str, list[int]]]:
+        row = shape_row(raw, cfg, i, regex)
+        if "prompt" not in row:
+            raise DataError(f"row {i}: column 'prompt' is missing")
+        text = prompt_text(row["prompt"], tokenizer, cfg.system_prompt, i)
+        tokens = encode_prompt(text, tokenizer, templated=not isinstance(row["prompt"], str))
+        if len(tokens) > cfg.max_prompt_tokens:
+            raise DataError(
+                f"row {i}: column 'prompt' has {len(tokens)} tokens, more than data.max_prompt_tokens="
+                f"{cfg.max_prompt_tokens}"
+            )
+        return row, (text, tokens)
+
+    good_rows, encoded, skipped = encode_rows(rows, encode, where, cfg.on_bad_row, f"rows in the {split} split")
+    texts = [t for t, _ in encoded]
+    ids = [ids for _, ids in encoded]
     return PromptSet(rows=good_rows, texts=texts, token_ids=ids, skipped=skipped, source=where)

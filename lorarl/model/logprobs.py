@@ -106,6 +106,20 @@ def prompt_groups(prompt_index: list[int]) -> tuple[list[int], Tensor]:
     return starts, torch.as_tensor(inverse, dtype=torch.long)
 
 
+def select_cache_rows(cache, rows: Tensor) -> None:
+    """Row ``i`` of every layer's keys / values becomes row ``rows[i]`` of what it was (``[U, ...] -> [B, ...]``).
+
+    transformers' ``batch_select_indices`` does the same with advanced indexing, whose backward on CPU
+    (``index_put_`` with accumulation) adds the rows that share a prompt with parallel atomic adds when more than one
+    thread runs: the order of the additions, and so the last bits of the gradient, change from run to run
+    (measured: a 4-step quickstart run's adapter differed by up to 9e-7 between two identical runs).
+    ``index_select``'s backward (``index_add_``) adds them in row order, the same on every run."""
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+
+
 def completion_logprobs(
     shared: SharedBase, batch: TokenBatch, temperature: float, with_entropy: bool = False, share_prompts: bool = True
 ) -> tuple[Tensor, Tensor | None]:
@@ -140,7 +154,8 @@ def completion_logprobs(
         input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=DynamicCache(), use_cache=True
     )
     cache = out.past_key_values
-    cache.batch_select_indices(inverse.to(dev))  # [U, ...] -> [B, ...], differentiable indexing
+    rows = inverse.to(dev)
+    select_cache_rows(cache, rows)  # [U, ...] -> [B, ...], differentiable, deterministic backward
     full_mask = joined(batch)[1].to(dev)  # [B, P + T]
     c_pos = position_ids(full_mask)[:, P:]  # [B, T]
     c_out = decoder(
@@ -150,7 +165,7 @@ def completion_logprobs(
         past_key_values=cache,
         use_cache=True,
     )
-    last_prompt = out.last_hidden_state[:, -1:][inverse.to(dev)]  # [B, 1, H]: predicts completion token 0
+    last_prompt = out.last_hidden_state[:, -1:].index_select(0, rows)  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
     head = shared.output_head()
     return chunked_token_logprobs(
@@ -250,7 +265,9 @@ def packed_completion_logprobs(
         position_ids=packs.position_ids.to(dev),
         use_cache=False,
     )
-    hidden = out.last_hidden_state[packs.pack.to(dev), packs.column.to(dev)]  # [B, T, H]
+    R, L, H = out.last_hidden_state.shape
+    where = (packs.pack * L + packs.column).to(dev)  # [B, T] flat positions in the packs
+    hidden = out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
     head = shared.output_head()
     mask = batch.completion_mask.to(dev)
     lp, ent = chunked_token_logprobs(

@@ -359,6 +359,23 @@ class SharedBase:
         kwargs.setdefault("use_cache", True)
         return self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
+    @torch.no_grad()
+    def generate_mixed(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: list[str] | None, **kwargs
+    ) -> torch.Tensor:
+        """Sample in eval mode (no dropout) with one adapter per row: PEFT's mixed-batch inference,
+        ``adapter_names[i]`` for row ``i`` (``"__base__"``: the bare base); ``None``: the active adapter for every row.
+        The previous train / eval mode is restored afterwards. Returns [B, P + T] token ids."""
+        module = self.module
+        was_training = module.training
+        module.eval()
+        try:
+            if adapter_names is not None:
+                kwargs["adapter_names"] = list(adapter_names)
+            return self.generate(input_ids, attention_mask, **kwargs)
+        finally:
+            module.train(was_training)
+
     # ---- saving and loading ---------------------------------------------------------------------------------
     def save_adapter(self, name: str, folder: str | os.PathLike) -> Path:
         """Write adapter ``name`` as a PEFT folder (adapter_config.json + adapter_model.safetensors, plus

@@ -12,20 +12,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from lorarl.core.messages import completion_text  # noqa: F401  (re-exported: the one reading of a completion)
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 _FORMAT = re.compile(r"\s*<think>(.+?)</think>\s*<answer>(.+?)</answer>\s*", re.S)
-
-
-def completion_text(completion: Any) -> str:
-    """A completion as text: strings as they are, chat messages joined by their ``content``."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return str(completion.get("content", ""))
-    if isinstance(completion, (list, tuple)):
-        return "".join(completion_text(m) for m in completion)
-    return str(completion)
 
 
 def parse_number(text: str) -> float | None:

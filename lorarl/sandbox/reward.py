@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from lorarl.core.messages import completion_text
 from lorarl.sandbox.limits import SandboxError, SandboxLimits, SandboxUnavailable
 from lorarl.sandbox.runner import _COMPILE_ERROR_RC, _execute, isolation_info
 
@@ -127,30 +128,9 @@ def run_tests(
         return 0.0
     return passed / len(tests)
 
+    # --------------------------------------------------------------------------
+    # The TRL reward.
 
-# --------------------------------------------------------------------------
-# The TRL reward.
-
-
-def _completion_text(completion: object) -> str | None:
-    """Text of a completion: a string, or the last assistant message of a conversation."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Mapping):
-        completion = [completion]
-    if isinstance(completion, Sequence):
-        for message in reversed(completion):
-            if isinstance(message, Mapping) and message.get("role", "assistant") == "assistant":
-                content = message.get("content")
-                if isinstance(content, str):
-                    return content
-                if isinstance(content, Sequence):  # [{"type": "text", "text": ...}, ...]
-                    return "".join(
-                        part.get("text", "")
-                        for part in content
-                        if isinstance(part, Mapping) and isinstance(part.get("text"), str)
-                    )
-                return None
     return None
 
 
@@ -205,8 +185,8 @@ def make_code_tests_reward(
             row = _row_tests(rows[i])
             if not row:
                 return None
-            text = _completion_text(completions[i])
-            code = extract_code(text, fallback_raw=fallback_raw) if text is not None else None
+            text = completion_text(completions[i])
+            code = extract_code(text, fallback_raw=fallback_raw) if text else None
             if code is None:
                 return 0.0
             return run_tests(code, row, limits, isolation=isolation)

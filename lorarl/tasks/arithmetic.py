@@ -10,6 +10,11 @@ gives a different split. Rows follow TRL's conversational format::
 Subtraction keeps ``a >= b`` (answers are never negative).
 
 Example: ``make_problems("train", 2, seed=0)`` -> two rows like the one above, the same two every time.
+
+**Cold-start data** (:func:`make_worked_examples`): the same training problems with a worked solution as the
+completion, in DeepSeek-R1's ``<think>...</think><answer>...</answer>`` format (what the ``format`` reward checks),
+written out column by column (:func:`worked_solution`). They come from the train split, so they never show a
+held-out problem.
 """
 
 from __future__ import annotations
@@ -94,4 +99,93 @@ def make_problems(
                 "b": b,
             }
         )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cold-start data: worked solutions in the <think>/<answer> format
+# ---------------------------------------------------------------------------------------------------------------
+
+PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands", "millions")
+
+
+def _digits(x: int, width: int) -> list[int]:
+    """The ``width`` lowest decimal digits of ``x``, ones first: ``_digits(47, 3)`` -> ``[7, 4, 0]``."""
+    return [(x // 10**i) % 10 for i in range(width)]
+
+
+def addition_steps(a: int, b: int) -> list[str]:
+    """Column addition, ones first, one clause per column: ``digit_a+digit_b(+carry)=s``, and the carry it passes on.
+
+    Example: 47 + 38 -> ``["ones: 7+8=15, carry 1", "tens: 4+3+1=8"]``.
+    """
+    width = max(len(str(a)), len(str(b)))
+    steps, carry = [], 0
+    for i, (x, y) in enumerate(zip(_digits(a, width), _digits(b, width))):
+        total = x + y + carry
+        lhs = f"{x}+{y}" + (f"+{carry}" if carry else "")
+        carry = total // 10
+        steps.append(f"{PLACES[i]}: {lhs}={total}" + (f", carry {carry}" if carry else ""))
+    return steps
+
+
+def subtraction_steps(a: int, b: int) -> list[str]:
+    """Column subtraction (``a >= b``), ones first: ``digit_a(-borrow)-digit_b=d``; a column whose digit is too
+    small borrows ten from the next one (written ``1x-...``, and ``borrow 1``).
+
+    Example: 47 - 38 -> ``["ones: 17-8=9, borrow 1", "tens: 4-1-3=0"]``.
+    """
+    if a < b:
+        raise ValueError(f"subtraction_steps needs a >= b, got {a} - {b}")
+    width = len(str(a))
+    steps, borrow = [], 0
+    for i, (x, y) in enumerate(zip(_digits(a, width), _digits(b, width))):
+        need = x - borrow < y
+        top = x + 10 if need else x
+        lhs = f"{top}" + ("-1" if borrow else "") + f"-{y}"
+        steps.append(f"{PLACES[i]}: {lhs}={top - borrow - y}" + (", borrow 1" if need else ""))
+        borrow = int(need)
+    return steps
+
+
+def multiplication_steps(a: int, b: int) -> list[str]:
+    """Partial products of ``a`` by each digit of ``b`` (shifted by its place), then their sum.
+
+    Example: 47 * 38 -> ``["47*8=376", "47*30=1410", "376+1410=1786"]``.
+    """
+    parts = [(d * 10**i) for i, d in enumerate(_digits(b, len(str(b)))) if d]
+    steps = [f"{a}*{p}={a * p}" for p in parts]
+    if len(parts) > 1:
+        steps.append("+".join(str(a * p) for p in parts) + f"={a * b}")
+    return steps or [f"{a}*{b}=0"]
+
+
+_STEPS = {"+": addition_steps, "-": subtraction_steps, "*": multiplication_steps}
+
+
+def worked_solution(a: int, op: str, b: int) -> str:
+    """A worked solution of ``a op b`` in DeepSeek-R1's format: the column steps in ``<think>``, then the result, the
+    bare number in ``<answer>``.
+
+    Example: ``worked_solution(47, "-", 38)`` ->
+    ``"<think>ones: 17-8=9, borrow 1. tens: 4-1-3=0. So 47-38=9.</think>\n<answer>9</answer>"``.
+    """
+    result = _OPS[op](a, b)
+    steps = ". ".join(_STEPS[op](a, b))
+    return f"<think>{steps}. So {a}{op}{b}={result}.</think>\n<answer>{result}</answer>"
+
+
+def make_worked_examples(n: int, **problems) -> list[dict]:
+    """``n`` supervised rows in TRL's conversational prompt-completion format: the training problems of
+    :func:`make_problems` (``problems``: its ``seed``, ``operations``, ``digits``, ``template``; so the prompts are
+    exactly the RL prompts and none is held out), each with its :func:`worked_solution` as the assistant's
+    completion::
+
+        {"prompt": [{"role": "user", "content": "What is 47 - 38?"}],
+         "completion": [{"role": "assistant", "content": "<think>...</think>\n<answer>9</answer>"}],
+         "answer": "9", "a": 47, "op": "-", "b": 38}
+    """
+    rows = make_problems("train", n, **problems)
+    for row in rows:
+        row["completion"] = [{"role": "assistant", "content": worked_solution(row["a"], row["op"], row["b"])}]
     return rows

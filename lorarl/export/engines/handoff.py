@@ -63,7 +63,8 @@ def _hand_off(src: RunSource, engine: Engine, base: str, notes: list[str]) -> Ha
         notes.append("plain-text prompts were wrapped as one user message (verl applies the chat template)")
     source = recipe.data.source
     has_user = any(s.name not in BUILTIN_REWARDS for s in recipe.reward.functions)
-    length = (src.metrics or {}).get("completion_len")
+    metrics = src.metrics or {}
+    length = metrics.get("completions/mean_length", metrics.get("completion_len"))  # older runs: completion_len
     return HandOff(
         recipe=recipe,
         splits=splits,

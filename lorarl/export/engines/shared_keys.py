@@ -59,6 +59,11 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         if key.startswith("health."):
             m.skip(key, value, "lorarl's run-health checks; the engines log their own metrics, no such alarms")
     m.skip("train.max_nonfinite_in_row", r.train.max_nonfinite_in_row, "no equivalent: the engines do not stop on NaN")
+    m.skip(
+        "train.deterministic",
+        r.train.deterministic,
+        "not mapped: distributed vLLM rollouts are not bit-reproducible; verl / OpenRLHF have no one switch for it",
+    )
     m.skip("eval.batch_size", r.eval.batch_size, "vLLM schedules the evaluation batch itself")
     m.skip(
         "eval.max_new_tokens",

@@ -1,0 +1,200 @@
+"""Supervised fine-tuning (SFT) of the policy adapter on the shared base: the cold start of DeepSeek-R1, and the
+second SFT of its rejection-sampling stage.
+
+The loss is the mean negative log-likelihood of the completion tokens (prompt tokens carry none), over every
+completion token of the batch (TRL's ``SFTTrainer`` with ``completion_only_loss``):
+
+    loss = -(1 / N_tok) * sum_i sum_t m_it * log p(y_it | x_i, y_i,<t)
+
+Examples are rendered exactly as RL prompts are (:mod:`lorarl.data.sft`): the chat template with the generation
+prompt, then the completion and the end-of-turn EOS a rollout ends with. Log-probs come from the model's chunked
+path (:func:`lorarl.model.completion_logprobs`, temperature 1): the ``[B, T, V]`` logits never exist at once.
+
+Why not TRL's ``SFTTrainer``: it owns its model and training loop (a second copy of the base, or its own PEFT
+wrapping), writes ``Trainer`` checkpoints (not atomic; resume not bit-identical across lorarl's per-step seeds) and
+renders examples with its own templating. lorarl's step machinery gives SFT the one shared base, the run loop's
+atomic checkpoints, bit-identical resume, metrics, plots and export for free; the loss is the same.
+
+Read :meth:`SFT.step` top to bottom (the run loop, :mod:`lorarl.algos.loop`, does the rest):
+
+1. a batch of examples (a per-epoch shuffle derived from ``(seed, epoch)``, so a resumed run sees the same data);
+2. one optimizer step over micro-batches, each contributing its share of the batch's token-mean NLL;
+3. metrics; at the end (:meth:`SFT.finish`) the policy adapter in PEFT format at ``RUN/policy``.
+
+The run stops after ``sft.epochs`` passes over the examples or ``train.steps`` steps, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lorarl.algos.base import batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
+from lorarl.config import Recipe
+from lorarl.core.schedules import advance
+from lorarl.data.sft import SFTSet, load_sft
+from lorarl.model import SharedBase, completion_logprobs
+from lorarl.model.tokens import end_of_turn_id, pad_left, pad_right
+from lorarl.phases import phase
+from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
+
+POLICY = "policy"
+
+PLOT_PANELS = (
+    ("SFT loss (NLL per completion token)", ("loss",)),
+    ("gradient norm", ("grad_norm",)),
+    ("learning rate", ("learning_rate",)),
+    ("completion tokens per step", ("completion_tokens",)),
+)
+
+
+@dataclass
+class SFTBatch:
+    """Step ``step``'s examples: rows ``rows`` of the supervised set."""
+
+    step: int
+    rows: list[int]
+
+
+@dataclass
+class ExampleBatch:
+    """Supervised examples as a :class:`lorarl.model.logprobs.TokenBatch`: prompts left padded, completions right
+    padded, every row its own prompt (``prompt_index``: the example's index)."""
+
+    prompt_ids: Tensor  # [B, P] long
+    prompt_mask: Tensor  # [B, P] bool
+    completion_ids: Tensor  # [B, T] long
+    completion_mask: Tensor  # [B, T] bool
+    prompt_index: list[int]
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+
+def example_batch(data: SFTSet, rows: list[int], pad_id: int) -> ExampleBatch:
+    """Rows ``rows`` of ``data`` as an :class:`ExampleBatch`."""
+    p_ids, p_mask = pad_left([data.prompt_ids[i] for i in rows], pad_id)
+    c_ids, c_mask = pad_right([data.completion_ids[i] for i in rows], pad_id)
+    return ExampleBatch(p_ids, p_mask, c_ids, c_mask.bool(), list(rows))
+
+
+def completion_nll(logprobs: Tensor, mask: Tensor, total_tokens: int) -> Tensor:
+    """A micro-batch's share of the batch's token-mean NLL: ``-sum_{b,t} m_bt * logp_bt / total_tokens``.
+
+    ``logprobs``, ``mask`` ``[B, T]``; ``total_tokens``: completion tokens of the WHOLE batch, so the micro-batch
+    shares sum to the batch loss. Example: logp ``[[-1, -2], [-3, 0]]``, mask ``[[1, 1], [1, 0]]``, 3 tokens -> 2.0.
+    """
+    return -(logprobs * mask).sum() / total_tokens
+
+
+def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int]):
+    """Step 2: the NLL share of micro-batch ``rows`` under the policy -> ``(loss, {})`` (the loss is the metric)."""
+    mb = example_batch(data, rows, shared.pad_id)
+    mask = mb.completion_mask.to(shared.device)  # [B, T]
+    with shared.role(POLICY, train=True, dropout=True):
+        logprobs, _ = completion_logprobs(shared, mb, temperature=1.0)  # [B, T]
+    return completion_nll(logprobs, mask, total_tokens), {}
+
+
+class SFT:
+    """The policy adapter trained on supervised examples: set-up, then :meth:`step` per batch."""
+
+    name = "sft"
+    plot_panels = PLOT_PANELS
+
+    def __init__(self, recipe: Recipe, shared: SharedBase):
+        self.recipe, self.shared = recipe, shared
+        cfg, tcfg = recipe.sft, recipe.train
+        if recipe.model.init_adapter:
+            shared.add_adapter(POLICY, init_from=recipe.model.init_adapter, trainable=True)
+        else:
+            shared.add_adapter(POLICY, recipe.lora)
+        self.roles = self.outputs = [POLICY]
+        self.final_eval = False  # held-out accuracy every eval.every steps; the pipeline evaluates every stage
+        self.data = load_sft(
+            recipe.data, shared.tokenizer, self.eos_id(), cfg.max_length, recipe_path=recipe.source_path
+        )
+        for i, why in self.data.skipped[:5]:
+            print(f"data: skipped row {i}: {why}", file=sys.stderr)
+        if self.data.skipped:
+            print(
+                f"data: skipped {len(self.data.skipped)} bad rows of {self.data.source} (data.on_bad_row: skip)",
+                file=sys.stderr,
+            )
+        n, B = len(self.data), cfg.batch_size
+        self.total_steps = min(tcfg.steps, cfg.epochs * math.ceil(n / B))
+        self.last_step = self.total_steps  # the loop lowers it for --max-steps
+        self.policy = trained_role(shared, POLICY, tcfg, self.total_steps)
+        self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
+        self.mbs = micro_batch_rows(tcfg.micro_batch_size, B)
+        self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
+
+    def eos_id(self) -> int:
+        """The EOS a rollout's response ends with: every completion is trained to end with it."""
+        return end_of_turn_id(self.shared.base, self.shared.tokenizer)
+
+    def batch(self, step: int) -> SFTBatch:
+        """1. Step ``step``'s examples: consecutive slices of a per-epoch shuffle."""
+        cfg, tcfg = self.recipe.sft, self.recipe.train
+        return SFTBatch(step, batch_indices(len(self.data), cfg.batch_size, tcfg.seed, step))
+
+    def step(self, batch: SFTBatch) -> dict:
+        """One optimizer step on ``batch``; returns its metrics."""
+        shared, tcfg, rows, step = self.shared, self.recipe.train, batch.rows, batch.step
+        total_tokens = sum(len(self.data.completion_ids[i]) for i in rows)
+
+        # 2. One optimizer step over micro-batches: each returns its share of the batch's token-mean NLL --------
+        loss_fn = functools.partial(sft_loss, shared, self.data, total_tokens)
+        # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
+        with phase("training"), shared.role(POLICY, train=True, dropout=True):
+            result = optimizer_step(
+                self.policy.params,
+                self.policy.optimizer,
+                (rows[s] for s in micro_batches(len(rows), self.mbs)),
+                loss_fn,
+                max_grad_norm=tcfg.max_grad_norm,
+            )
+        advance(self.policy.scheduler)
+        self.guard.check(result, step)
+
+        # 3. Metrics ------------------------------------------------------------------------------------------------
+        return {
+            "loss": result.loss,
+            "perplexity": math.exp(min(result.loss, 50.0)) if math.isfinite(result.loss) else None,
+            "grad_norm": result.grad_norm,
+            "learning_rate": result.lr,
+            "epoch": (step - 1) * self.recipe.sft.batch_size / len(self.data),
+            "completion_tokens": total_tokens,
+            "skipped_updates": self.guard.skipped,
+            "tokens": float(total_tokens + sum(len(self.data.prompt_ids[i]) for i in rows)),
+        }
+
+    def evaluate(self) -> dict:
+        """Greedy held-out evaluation of the policy, as RL evaluates it (``eval/...``)."""
+        return evaluate_policy(self)
+
+    def progress(self, row: dict) -> dict:
+        return {"loss": f"{row['loss']:.3f}"}
+
+    def state_dict(self) -> dict:
+        return {"guard": self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.guard.load_state_dict(state["guard"])
+
+    def finish(self, run_dir, history: list[dict]) -> dict:
+        """The policy adapter at ``run_dir/policy``; the summary's SFT fields."""
+        self.shared.save_adapter(POLICY, run_dir / POLICY)
+        return {
+            "policy": str(run_dir / POLICY),
+            "loss_first10": tail_mean(history, "loss", head=True),
+            "loss_last10": tail_mean(history, "loss"),
+            "examples": len(self.data),
+            "skipped_rows": len(self.data.skipped),
+            "epochs": self.total_steps * self.recipe.sft.batch_size / len(self.data),
+            "skipped_updates": self.guard.skipped,
+        }

@@ -1,0 +1,216 @@
+"""The algorithms' own recipe sections (``grpo``, ``ppo`` with its sub-sections, ``reward_model``, ``sft``,
+``rejection_sampling``): one dataclass each, every field documented where it is declared, ranges checked in
+``validate``. The shared sections and :class:`~lorarl.config.schema.Recipe` are in :mod:`lorarl.config.schema`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lorarl.config.common import LoraSettings, check
+
+
+@dataclass
+class GRPOKLConfig:
+    """GRPO's KL term to the reference (DeepSeekMath; 0 never runs the reference)."""
+
+    coef: float = 0.0  # beta of the k3 KL term; 0: no reference forward at all
+    estimator: Literal["k3", "k3_unbiased"] = "k3"  # k3: gradient of KL(ref||pi) on-policy; k3_unbiased: KL(pi||ref)
+    ref_refresh_every: int = 0  # iterative GRPO: copy the policy into the reference adapter every N steps
+
+    def validate(self, where: str) -> None:
+        check(self.coef >= 0, where, "grpo.kl.coef", "must be >= 0")
+        check(self.ref_refresh_every >= 0, where, "grpo.kl.ref_refresh_every", "must be >= 0")
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO (DeepSeekMath) with DAPO / Dr. GRPO / DeepSeek-V3.2 options."""
+
+    group_size: int = 8  # completions per prompt (G)
+    num_iterations: int = 1  # policy updates per rollout batch (mu); > 1 records old log-probs
+    clip_eps_low: float = 0.2  # PPO-clip lower range
+    clip_eps_high: float = 0.2  # upper range; > clip_eps_low is DAPO's clip-higher
+    loss_reduction: Literal["seq_mean_token_mean", "token_mean", "seq_sum_norm"] = "seq_mean_token_mean"  # GRPO/DAPO/Dr
+    std_scaling: Literal["group", "batch", "none"] = "group"  # advantage scale; none = Dr. GRPO
+    unbiased_std: bool = False  # False: population std
+    mask_truncated: bool = False  # completions without EOS contribute no loss (DAPO overlong filtering)
+    entropy_coef: float = 0.0  # entropy bonus
+    kl: GRPOKLConfig = field(default_factory=GRPOKLConfig)  # the KL term to the reference
+
+    def validate(self, where: str) -> None:
+        check(self.group_size >= 2, where, "grpo.group_size", "must be >= 2 (advantages are relative within a group)")
+        check(self.num_iterations >= 1, where, "grpo.num_iterations", "must be >= 1")
+        check(self.clip_eps_low > 0, where, "grpo.clip_eps_low", "must be > 0")
+        check(self.clip_eps_high > 0, where, "grpo.clip_eps_high", "must be > 0")
+        check(self.entropy_coef >= 0, where, "grpo.entropy_coef", "must be >= 0")
+        self.kl.validate(where)
+
+
+@dataclass
+class PPOKLConfig:
+    """PPO's per-token KL penalty in the reward (Ziegler et al.; InstructGPT), fixed or adaptive."""
+
+    coef: float = 0.05  # beta; 0 (fixed) never runs the reference
+    adaptive: bool = False  # Ziegler et al.'s proportional controller moves beta towards `target`
+    target: float = 6.0  # target KL per sequence (nats) of the adaptive controller
+    horizon: int = 10000  # the controller's horizon, in responses
+
+    def validate(self, where: str) -> None:
+        check(self.coef >= 0, where, "ppo.kl.coef", "must be >= 0")
+        check(not self.adaptive or self.coef > 0, where, "ppo.kl.coef", "must be > 0 when ppo.kl.adaptive is on")
+        check(self.target > 0, where, "ppo.kl.target", "must be > 0")
+        check(self.horizon >= 1, where, "ppo.kl.horizon", "must be >= 1")
+
+
+@dataclass
+class CriticConfig:
+    """PPO's critic: its own LoRA adapter + fp32 value head, its own optimizer, the value loss."""
+
+    init: Literal["fresh", "reward"] = "fresh"  # a fresh adapter, or a trainable copy of the reward adapter + head
+    lora: LoraSettings = field(default_factory=LoraSettings)  # the critic adapter (init: fresh)
+    learning_rate: float | None = None  # the critic's AdamW; default train.learning_rate
+    vf_coef: float = 0.1  # value-loss coefficient (scales the critic's gradient before clipping; Adam is scale-free)
+    value_clip: float | None = 0.2  # clip V around V_old (null: unclipped)
+    loss: Literal["mse", "huber"] = "mse"  # 0.5 squared error or Huber
+    huber_delta: float = 1.0  # loss huber
+
+    def validate(self, where: str) -> None:
+        check(
+            self.learning_rate is None or self.learning_rate > 0,
+            where,
+            "ppo.critic.learning_rate",
+            "must be > 0 or null",
+        )
+        check(self.vf_coef >= 0, where, "ppo.critic.vf_coef", "must be >= 0")
+        check(self.value_clip is None or self.value_clip > 0, where, "ppo.critic.value_clip", "must be > 0 or null")
+        check(self.huber_delta > 0, where, "ppo.critic.huber_delta", "must be > 0")
+        self.lora.validate(where, "ppo.critic.lora")
+
+
+@dataclass
+class ScoreConfig:
+    """How PPO shapes the sequence score before the KL penalty is added."""
+
+    normalize: bool = False  # running mean / std of the scores
+    clip: float | None = None  # clip the (normalised) score to +- clip
+    no_eos_penalty: float | None = None  # replaces the score of responses that did not end with EOS
+
+    def validate(self, where: str) -> None:
+        check(self.clip is None or self.clip > 0, where, "ppo.score.clip", "must be > 0 or null")
+
+
+@dataclass
+class PtxConfig:
+    """InstructGPT's pretraining-loss term (PPO-ptx)."""
+
+    coef: float = 0.0  # gamma; 0: off
+    source: str | None = None  # a .jsonl with a `text` column
+    batch_size: int = 4  # texts per minibatch
+
+    def validate(self, where: str) -> None:
+        check(self.coef >= 0, where, "ppo.ptx.coef", "must be >= 0")
+        check(self.batch_size >= 1, where, "ppo.ptx.batch_size", "must be >= 1")
+        check(self.coef == 0 or bool(self.source), where, "ppo.ptx.source", "is required when ppo.ptx.coef > 0")
+
+
+@dataclass
+class PPOConfig:
+    """PPO with a LoRA critic and a LoRA reward model on the same base (InstructGPT-style RLHF)."""
+
+    epochs: int = 2  # K passes over each rollout batch
+    minibatch_size: int = 8  # responses per optimizer step
+    clip_eps: float = 0.2  # PPO-clip range
+    entropy_coef: float = 0.0  # entropy bonus
+    gamma: float = 1.0  # discount (1: an episodic response, the score arrives at its end)
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True  # normalise advantages over the batch's tokens
+    target_approx_kl: float | None = None  # stop the epochs before an update once the approx KL passes this
+    kl: PPOKLConfig = field(default_factory=PPOKLConfig)  # the KL penalty
+    critic: CriticConfig = field(default_factory=CriticConfig)  # the critic
+    score: ScoreConfig = field(default_factory=ScoreConfig)  # score normalisation / clipping / no-EOS penalty
+    ptx: PtxConfig = field(default_factory=PtxConfig)  # the pretraining-loss term
+
+    def validate(self, where: str) -> None:
+        check(self.epochs >= 1, where, "ppo.epochs", "must be >= 1")
+        check(self.minibatch_size >= 1, where, "ppo.minibatch_size", "must be >= 1")
+        check(self.clip_eps > 0, where, "ppo.clip_eps", "must be > 0")
+        check(self.entropy_coef >= 0, where, "ppo.entropy_coef", "must be >= 0")
+        check(0 <= self.gamma <= 1, where, "ppo.gamma", "must be in [0, 1]")
+        check(0 <= self.lam <= 1, where, "ppo.lam", "must be in [0, 1]")
+        check(
+            self.target_approx_kl is None or self.target_approx_kl > 0,
+            where,
+            "ppo.target_approx_kl",
+            "must be > 0 or null",
+        )
+        for sub in (self.kl, self.critic, self.score, self.ptx):
+            sub.validate(where)
+
+
+@dataclass
+class RewardModelConfig:
+    """Bradley-Terry reward model: the `reward` adapter plus a score head."""
+
+    epochs: int = 1  # passes over the pairs (train.steps may stop it first)
+    batch_size: int = 8  # pairs per optimizer step
+    margin: bool = False  # use a `margin` column when present (Llama 2)
+    center_coef: float = 0.0  # reward centering term coef * (r_c + r_r)^2
+    max_length: int = 512  # pairs whose longer side has more tokens are dropped (counted), like TRL
+    max_tokens_per_forward: int = 4096  # length-sorted forwards of at most this many padded tokens; 0 = one forward
+
+    def validate(self, where: str) -> None:
+        check(self.epochs >= 1, where, "reward_model.epochs", "must be >= 1")
+        check(self.max_tokens_per_forward >= 0, where, "reward_model.max_tokens_per_forward", "must be >= 0")
+        check(self.batch_size >= 1, where, "reward_model.batch_size", "must be >= 1")
+        check(self.center_coef >= 0, where, "reward_model.center_coef", "must be >= 0")
+        check(self.max_length >= 2, where, "reward_model.max_length", "must be >= 2")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning of the policy adapter: loss on completion tokens only (lorarl.algos.sft)."""
+
+    epochs: int = 1  # passes over the examples (train.steps may stop it first)
+    batch_size: int = 16  # examples per optimizer step
+    max_length: int = 1024  # prompt + completion tokens; longer rows are bad rows (data.on_bad_row)
+
+    def validate(self, where: str) -> None:
+        check(self.epochs >= 1, where, "sft.epochs", "must be >= 1")
+        check(self.batch_size >= 1, where, "sft.batch_size", "must be >= 1")
+        check(self.max_length >= 2, where, "sft.max_length", "must be >= 2")
+
+
+@dataclass
+class RejectionSamplingConfig:
+    """Sample G completions per prompt, keep the verified ones as a TRL dataset (lorarl.algos.rejection_sampling).
+    Samples with model.init_adapter (else the base); train.steps x train.prompts_per_step prompts in all."""
+
+    group_size: int = 8  # completions sampled per prompt (G)
+    min_reward: float = 1.0  # keep completions whose total reward (reward section) is at least this
+    max_per_prompt: int = 0  # best-of-G: keep at most this many per prompt, highest reward first; 0: all that pass
+    drop_truncated: bool = True  # never keep a completion cut at generation.max_new_tokens (no EOS)
+
+    def validate(self, where: str) -> None:
+        check(self.group_size >= 1, where, "rejection_sampling.group_size", "must be >= 1")
+        check(self.max_per_prompt >= 0, where, "rejection_sampling.max_per_prompt", "must be >= 0 (0: no limit)")
+
+
+# The algorithm sections, and the shared sections each algorithm reads (others are refused in a recipe).
+ALGO_SECTIONS: dict[str, type] = {
+    "grpo": GRPOConfig,
+    "ppo": PPOConfig,
+    "reward_model": RewardModelConfig,
+    "sft": SFTConfig,
+    "rejection_sampling": RejectionSamplingConfig,
+}
+SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
+USES = {
+    "grpo": SHARED_SECTIONS,
+    "ppo": SHARED_SECTIONS,
+    "reward_model": ("model", "lora", "data", "train", "eval", "health"),
+    "sft": SHARED_SECTIONS,  # reward and generation: the held-out evaluation scores and decodes like RL
+    "rejection_sampling": SHARED_SECTIONS,
+}
+TRAINS_ON_SAMPLES = ("grpo", "ppo")
