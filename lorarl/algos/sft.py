@@ -126,7 +126,7 @@ class SFT:
                 file=sys.stderr,
             )
         n, B = len(self.data), cfg.batch_size
-        self.total_steps = min(tcfg.steps, cfg.epochs * math.ceil(n / B))
+        self.total_steps = min(tcfg.steps, math.ceil(cfg.epochs * n / B))  # batches run on across epochs
         self.last_step = self.total_steps  # the loop lowers it for --max-steps
         self.policy = trained_role(shared, POLICY, tcfg, self.total_steps)
         self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
