@@ -13,7 +13,8 @@ python -m pip install -q --upgrade pip
 # Users bring their own torch (CUDA or CPU build). Only when none is importable do we install one:
 # on these machines `torch==2.13.0` is a CPU wheel from local disk.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+# (PYTHONWARNINGS: setuptools prints a multi-line "Editable installation" notice for every editable build)
+PYTHONWARNINGS=ignore python -m pip install -q -e ".[test]"
 # llama.cpp's GGUF converter (from the llama-cpp-python source package, fetched once from the package registry), and
 # a llama-cpp-python wheel if one was built before (the GGUF runtime; building it takes ~50 min on 2 cores)
 python -m lorarl.export.gguf fetch >/dev/null || echo "setup: could not fetch llama.cpp's converter; --format gguf will fetch it"

@@ -231,6 +231,11 @@ def test_tiny_sft_learns_resumes_bit_identically_and_exports(peaky_model_dir, tm
     # sft.epochs bounds the run: 8 examples, batch 4, 1 epoch -> 2 steps
     one_epoch = sft_recipe(peaky_model_dir, data={"source": str(data)}, train={"steps": 50})
     assert train(one_epoch, tmp_path / "epoch")["steps"] == 2
+    # batches run on across epochs: 8 examples, batch 6, 2 epochs = 16 examples -> 3 steps (not 2 x ceil(8 / 6))
+    two_epochs = sft_recipe(
+        peaky_model_dir, data={"source": str(data)}, train={"steps": 50}, sft={"batch_size": 6, "epochs": 2}
+    )
+    assert train(two_epochs, tmp_path / "epochs2")["steps"] == 3
     # the run exports like an RL run
     from lorarl.export import export
 

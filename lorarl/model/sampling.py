@@ -154,7 +154,8 @@ def generate_kwargs(
         **NEUTRAL_SAMPLING,
     }
     if greedy:
-        kwargs.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
+        # top_k 50: transformers' default, which greedy decoding never applies (any other value makes it warn)
+        kwargs.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
         if recorder is not None:
             kwargs["logits_processor"] = LogitsProcessorList([recorder])
         return kwargs
