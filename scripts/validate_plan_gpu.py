@@ -185,7 +185,7 @@ def measure_algo(args, algo: str, d: dict, work: Path) -> tuple[dict, dict]:
         meter = PhasePeaks(shared.device, lambda: tensor_bytes([shared], trainer.optimizers.values()))
         metrics, seconds = run_step(trainer, step, meter)
         log(
-            f"[{args.worker}] {algo} step {step}: {seconds:.1f}s, completion {metrics['completion_len']:.0f} tokens, "
+            f"[{args.worker}] {algo} step {step}: {seconds:.1f}s, completion {metrics['completions/mean_length']:.0f} tokens, "
             "peaks " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in meter.peaks.items())
         )
     measured = {
@@ -195,7 +195,7 @@ def measure_algo(args, algo: str, d: dict, work: Path) -> tuple[dict, dict]:
         "allocated_before": meter.first_allocated,
         "seconds": round(seconds, 2),
         "rows": args.prompts * args.group_size if algo == "grpo" else args.ppo_prompts,
-        "completion_len": metrics["completion_len"],
+        "completion_len": metrics["completions/mean_length"],
         "P": args.prompt_len,
     }
     extra = {
