@@ -57,15 +57,24 @@ def _graph_nodes(fn) -> set[str]:
     return names
 
 
-def test_prefix_shared_backward_is_bit_identical_with_two_threads(tiny_model_dir):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["shared-kv-cache", "packed"])
+def test_prefix_shared_backward_is_bit_identical_with_two_threads(tiny_model_dir, checkpointing, monkeypatch):
     from lorarl.config import LoraSettings, ModelConfig
     from lorarl.model import SharedBase
+    from lorarl.model import logprobs as lp_mod
     from lorarl.model.logprobs import completion_logprobs
 
+    calls = []
+    select = lp_mod.select_cache_rows
+    monkeypatch.setattr(
+        lp_mod, "select_cache_rows", lambda cache, rows: (calls.append(len(cache.layers)), select(cache, rows))
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        shared = SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32"))
+        cfg = ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32")
+        cfg.gradient_checkpointing = checkpointing  # off: the prompt's KV cache shared by its rows; on: packs
+        shared = SharedBase.load(cfg)
         torch.manual_seed(0)
         shared.add_adapter("policy", LoraSettings(r=4, alpha=8))
         params = shared.trainable_parameters("policy")
@@ -96,6 +105,8 @@ def test_prefix_shared_backward_is_bit_identical_with_two_threads(tiny_model_dir
         lp_full, g_full = grads(False)  # the full forward (every row [prompt | completion]): the same numbers
         assert (lp_full - lp0).abs().max() < 1e-5
         assert max(((a - b).abs().max() / (b.abs().max() + 1e-12)).item() for a, b in zip(g_full, g0)) < 1e-4
+        # the path under test ran: the cache path gathered every layer's keys / values, the packed path none
+        assert calls == ([] if checkpointing else [2] * 11)  # 11 shared forwards, 2 layers each
     finally:
         torch.set_num_threads(threads)
 
