@@ -279,7 +279,7 @@ def test_real_model_f16_and_q8_0_in_llama_cpp_match_merged(tmp_path, default_mod
 
     run = Path(os.environ["LORARL_GGUF_RUN"]) if os.environ.get("LORARL_GGUF_RUN") else None
     trained = run is not None
-    n = 200 if trained else 100
+    n = 200 if trained else 64
     if run is None:
         run = make_run(tmp_path / "run", default_model_dir, scale=0.01, max_new_tokens=16)
     merged = tmp_path / "merged"
