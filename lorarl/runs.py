@@ -71,9 +71,11 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def checkpoint_step(folder: Path) -> int | None:
-    """The step of a checkpoint folder (``state.json``, else its name), or None."""
-    state = Path(folder) / "state.json"
-    if state.is_file():
+    """The step of a checkpoint folder (``state.json``; ``best.json`` for ``RUN/best``; else its name), or None."""
+    for name in ("state.json", "best.json"):
+        state = Path(folder) / name
+        if not state.is_file():
+            continue
         try:
             step = json.loads(state.read_text()).get("step")
             if isinstance(step, int):

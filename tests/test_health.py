@@ -149,6 +149,10 @@ def test_evaluation_during_training_keeps_the_best_adapter(tiny_model_dir, tmp_p
     assert (tmp_path / "run" / "best" / "policy" / "adapter_config.json").is_file()
     assert summary["best"]["step"] == best_step
     assert find_adapter(named_checkpoint(tmp_path / "run", "best")) == tmp_path / "run" / "best" / "policy"
+    from lorarl.export import locate
+
+    best_source = locate(tmp_path / "run", checkpoint="best")  # lorarl export RUN --checkpoint best
+    assert best_source.step == best_step and best_source.metrics["step"] == best_step
 
 
 def test_doctor_reports_a_run_and_ends_with_json(tiny_model_dir, tmp_path, capsys):

@@ -115,7 +115,7 @@ def locate(run: str | os.PathLike, checkpoint: str | None = None) -> RunSource:
     """Find the policy adapter, recipe, step and metrics for ``run``.
 
     ``run`` is a run directory (its final ``policy/`` adapter, or ``checkpoints/<checkpoint>/policy`` when
-    ``checkpoint`` is given: ``step-000040``, ``40`` or ``latest``), a checkpoint folder inside it, or a PEFT adapter
+    ``checkpoint`` is given: ``step-000040``, ``40``, ``latest`` or ``best``), a checkpoint folder inside it, or a PEFT adapter
     folder. A run without a final adapter (stopped early) falls back to its newest complete checkpoint.
     """
     run = Path(run).expanduser()
