@@ -97,7 +97,10 @@ def _launch(script: Path, site: Path, record: Path, *args: str, env: dict | None
         wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{PROBES / "record_python.py"}" "$@"\n')
         wrapper.chmod(0o755)
     env = {**os.environ, "PYTHON": str(wrapper), "LORARL_RECORD": str(record), "PYTHONPATH": str(site), **(env or {})}
-    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=120)
+    # from a temporary folder: the scripts default their output to $PWD/verl-run (never the repository)
+    return subprocess.run(
+        ["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=120, cwd=record.parent
+    )
 
 
 def _argvs(exports, engine: str, site: Path, tmp: Path) -> list[list[str]]:
