@@ -115,3 +115,13 @@ def test_pure_functions_do_not_modify_arguments():
         fn(x, m)
     torch.testing.assert_close(x, x0, equal_nan=True)
     torch.testing.assert_close(m, m0)
+
+
+def test_nan_std_by_hand():
+    from lorarl.core.stats import nan_std
+
+    # [1, 3, nan]: mean 2, sum of squares 2, n - 1 = 1 -> sqrt(2)
+    assert nan_std(torch.tensor([1.0, 3.0, float("nan")])) == pytest.approx(2**0.5, abs=1e-12)
+    # [0, 0, 1, 1]: mean 0.5, sum of squares 1, n - 1 = 3 -> sqrt(1/3)
+    assert nan_std(torch.tensor([0.0, 0.0, 1.0, 1.0])) == pytest.approx((1 / 3) ** 0.5, abs=1e-12)
+    assert nan_std(torch.tensor([5.0, float("nan")])) == 0.0 and nan_std(torch.tensor([])) == 0.0

@@ -17,7 +17,8 @@ as ``module:function`` (``my_rewards:score``, or ``path/to/file.py:score``); ``k
 function's column into NaN (a missing value, left out of the group statistics), is counted, and the run goes on.
 """
 
-from lorarl.rewards.answers import completion_text, extract_answer, is_correct, parse_number
+from lorarl.core.messages import completion_text
+from lorarl.rewards.answers import extract_answer, is_correct, parse_number
 from lorarl.rewards.builtins import (
     BUILTIN_REWARDS,
     RewardFn,

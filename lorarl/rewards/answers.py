@@ -1,5 +1,5 @@
-"""Reading a completion's final answer: one ``completion_text`` and one ``extract_answer`` for every reward, task
-and report (strings, chat messages, ``<answer>`` tags, numbers with thousands separators)."""
+"""Reading a completion's final answer: one ``extract_answer`` for every reward, task and report (``<answer>`` tags,
+numbers with thousands separators); a completion's text comes from :func:`lorarl.core.messages.completion_text`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from lorarl.core.messages import completion_text  # noqa: F401  (re-exported: the one reading of a completion)
+from lorarl.core.messages import completion_text
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lorarl.rewards.answers import _FORMAT, MATH_ITEM_TIMEOUT_S, completion_text, is_correct, math_equivalent
+from lorarl.core.messages import completion_text
+from lorarl.rewards.answers import _FORMAT, MATH_ITEM_TIMEOUT_S, is_correct, math_equivalent
 
 RewardFn = Callable[..., list]
 

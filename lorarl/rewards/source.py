@@ -75,7 +75,7 @@ class SourceScores:
     rules: RewardScores | None
 
     def means(self) -> dict[str, float]:
-        """``reward/<function>`` means and ``rm_score`` (what the loops log beside the total)."""
+        """``rewards/<function>/mean`` and ``rm_score`` (what the loops log beside the total)."""
         out = {f"rewards/{k}/mean": v for k, v in (self.rules.means() if self.rules else {}).items()}
         if self.reward_model is not None:
             out["rm_score"] = float(self.reward_model.mean())
