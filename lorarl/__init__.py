@@ -13,5 +13,16 @@ __version__ = "0.1.0"
 #   when it cannot (offline, or no `kernels` package); its own CPU path is used then, which is what lorarl wants.
 # - peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model (a FutureWarning on
 #   every command); the replacement `is_activation_checkpointing` is what lorarl itself calls.
+# Each is (message regex, category); tests/test_quiet.py keeps these ignored while turning every other warning into
+# an error, so a new deprecation on lorarl's path fails a test instead of reaching users.
+LIBRARY_WARNINGS_IGNORED = ((r"`is_gradient_checkpointing` is deprecated", FutureWarning),)
+
+
+def ignore_library_warnings() -> None:
+    """Install the filters for :data:`LIBRARY_WARNINGS_IGNORED` (at import; again inside a ``catch_warnings``)."""
+    for message, category in LIBRARY_WARNINGS_IGNORED:
+        _warnings.filterwarnings("ignore", message=message, category=category)
+
+
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
-_warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+ignore_library_warnings()

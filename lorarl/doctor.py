@@ -26,6 +26,9 @@ SERIES = {
     "completion_length": ("completions/mean_length",),
     "clipped_ratio": ("completions/clipped_ratio",),
     "eval_accuracy": ("eval/accuracy",),
+    "preference_accuracy": ("rewards/accuracies",),  # DPO: implicit-reward accuracy on the training pairs
+    "eval_preference_accuracy": ("eval/rewards/accuracies",),  # ... on the held-out pairs
+    "reward_margin": ("rewards/margins",),
 }
 
 
@@ -73,7 +76,29 @@ def findings(report: dict) -> list[str]:
         out.append(f"entropy collapsed {ent['start']:.3f} -> {ent['end']:.3f}")
     if report.get("parity_max_mean_abs") is not None and report["parity_max_mean_abs"] > report["parity_tolerance"]:
         out.append("generator / trainer parity was above its tolerance")
+    pref = report.get("eval_preference_accuracy") or report.get("preference_accuracy")
+    if pref and pref["end"] <= 0.55:
+        out.append(
+            f"implicit-reward accuracy ended at {pref['end']:.0%} (chance: 50%): the policy barely prefers the chosen "
+            "responses; raise train.learning_rate or train.steps, or check the pairs"
+        )
+    if report.get("graph_capture_failures") or report.get("eager_fallbacks"):
+        out.append(
+            f"the fast engine decoded eagerly: {report['graph_capture_failures']} CUDA graph capture(s) failed, "
+            f"{report['eager_fallbacks']} decode batch(es) ran without a graph (rollout/graph_capture_failures, "
+            "rollout/eager_fallbacks in metrics.jsonl)"
+        )
     out += [f"health warning: {w}" for w in report.get("warnings", [])]
+    return out
+
+
+def graph_counts(rows: list[dict]) -> dict:
+    """The fast engine's CUDA-graph counters of a run (the largest logged value of each: they count up from the
+    start of each process, so a resumed run's rows start again at 0); None when the run never asked for graphs."""
+    out = {}
+    for key in ("graph_captures", "graph_capture_failures", "eager_fallbacks"):
+        vals = _values(rows, (f"rollout/{key}",))
+        out[key] = int(max(vals)) if vals else None
     return out
 
 
@@ -96,7 +121,8 @@ def diagnose(run: str | Path) -> dict:
     parity = _values(rows, ("sampling/sampling_logp_difference/mean",))
     report["parity_checks"] = len(parity)
     report["parity_max_mean_abs"] = max(parity) if parity else None
-    report["parity_tolerance"] = recipe.health.parity_tolerance if recipe else 0.05
+    logged = _values(rows, ("health/parity_tolerance",))  # the tolerance the run resolved (by precision when null)
+    report["parity_tolerance"] = logged[-1] if logged else (recipe and recipe.health.parity_tolerance) or 0.05
     warnings: list[str] = []
     for r in rows:
         for w in str(r.get("health/warning") or "").split(" | "):
@@ -104,6 +130,7 @@ def diagnose(run: str | Path) -> dict:
                 warnings.append(w)
     report["warnings"] = warnings
     report["skipped_updates"] = rows[-1].get("skipped_updates")
+    report.update(graph_counts(rows))
     report["findings"] = findings(report)
     return report
 
@@ -111,7 +138,8 @@ def diagnose(run: str | Path) -> dict:
 def format_report(report: dict) -> str:
     """The human-readable part of ``lorarl doctor``."""
     lines = [f"run {report['run']} ({report['algo']}, {report['steps']} steps)"]
-    for key in ("reward", "accuracy", "eval_accuracy", "frac_reward_zero_std", "kl", "clip_fraction", "entropy"):
+    keys = ("reward", "accuracy", "eval_accuracy", "frac_reward_zero_std", "kl", "clip_fraction", "entropy")
+    for key in keys + ("preference_accuracy", "eval_preference_accuracy", "reward_margin"):
         t = report.get(key)
         if t:
             lines.append(f"  {key:<20} {t['start']:>10.4f} -> {t['end']:<10.4f} ({t['change']:+.4f})")
@@ -123,6 +151,11 @@ def format_report(report: dict) -> str:
         lines.append(
             f"  parity           {report['parity_checks']} checks, worst mean |delta log-prob| "
             f"{report['parity_max_mean_abs']:.2e} (tolerance {report['parity_tolerance']:g})"
+        )
+    if report.get("graph_captures") is not None:
+        lines.append(
+            f"  CUDA graphs      {report['graph_captures']} captured, {report['graph_capture_failures']} failed, "
+            f"{report['eager_fallbacks']} decode batches eager"
         )
     lines.append("findings:" if report["findings"] else "findings: nothing stands out")
     lines += [f"  - {f}" for f in report["findings"]]

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite (pytest). Installs Debian's chromium for the browser test when
 # possible (root + apt-get); the browser test skips with a reason only where chromium cannot be installed.
+# Installs the exact releases of constraints.txt (what CI ran); LORARL_NEWEST=1 bash scripts/test.sh runs the suite
+# on the newest releases pyproject.toml's ranges admit (docs/reproducibility.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from test_fast_graphs import ReplayGuard  # checks a replay against an independent snapshot, not adapter_key
 
 from lorarl.config import GenerationConfig, LoraSettings, ModelConfig
 from lorarl.model import SharedBase
@@ -300,22 +301,6 @@ def test_adapter_key_tracks_what_a_captured_step_bakes_in(policy_shared):
         assert adapter_key(sb) == k_policy
         layer.scaling["policy"] *= 2
         assert adapter_key(sb) != k_policy
-
-
-class ReplayGuard:
-    """Stands in for a CUDA graph on CPU: it runs the step, but only while the adapter state equals the one at
-    "capture" (a real graph would silently replay the old adapter), and counts captures."""
-
-    captures = 0
-    shared: SharedBase | None = None
-
-    def __init__(self, step, rewind, pool):
-        self.step, self.key = step, adapter_key(self.shared)
-        ReplayGuard.captures += 1
-
-    def __call__(self):
-        assert adapter_key(self.shared) == self.key, "replayed a step captured with another adapter state"
-        self.step()
 
 
 def test_captured_step_bookkeeping_on_cpu(policy_shared, monkeypatch):

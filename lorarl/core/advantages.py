@@ -11,10 +11,13 @@ arguments. Advantages, returns and shaped rewards are training *targets*: every 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from lorarl.core.losses import kl_k1, kl_k2, kl_k3
 
 __all__ = [
     "StdScaling",
@@ -23,6 +26,7 @@ __all__ = [
     "gae",
     "kl_penalized_reward",
     "kl_shaped_rewards",
+    "KL_PENALTIES",
     "AdaptiveKLController",
     "FixedKLController",
 ]
@@ -181,6 +185,46 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return advantages, returns
 
 
+def gae_skipping(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """GAE over the model's own tokens of a multi-turn trajectory, the environment's tokens skipped.
+
+    Per row, let ``t_0 < t_1 < ... < t_{K-1}`` be the positions where ``mask`` is True (the tokens the model
+    sampled; tool / environment tokens between turns are False). GAE runs over that sequence as if the gaps were
+    not there -- the environment's tokens are part of the transition from the last token of turn ``k`` to the
+    first of turn ``k + 1``, not actions:
+
+    * ``delta_k = r_{t_k} + gamma * V_{t_{k+1}} - V_{t_k}`` with ``V_{t_K} = 0`` (terminal),
+    * ``A_k = delta_k + gamma * lam * A_{k+1}``, ``returns_k = A_k + V_{t_k}``.
+
+    Positions outside the mask get advantage 0 and return 0 (their rewards and values are never read). With a
+    prefix mask (one turn) this is exactly :func:`gae`. Shapes: ``rewards``, ``values``, ``mask`` ``[B, T]``;
+    returns ``(advantages [B, T], returns [B, T])``.
+
+    Example (``gamma = lam = 1``): ``r = [0, x, 0, 1]``, ``V = [0.5, x, 0.6, 0.7]``, ``mask = [1, 0, 1, 1]``
+    -> ``delta = [0.1, 0, 0.1, 0.3]``, ``A = [0.5, 0, 0.4, 0.3]``, ``returns = [1, 0, 1, 1]``.
+    """
+    if rewards.shape != values.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards and values must both be [B, T], got {tuple(rewards.shape)} and {tuple(values.shape)}"
+        )
+    m = torch.broadcast_to(_bool(mask), rewards.shape)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    r = torch.where(m, rewards.detach(), zero)
+    v = torch.where(m, values.detach(), zero)
+    next_adv = torch.zeros_like(v[:, 0])  # [B] A of the next model token (0 after the last)
+    next_value = torch.zeros_like(v[:, 0])  # [B] V of the next model token (0 after the last: terminal)
+    advs: list[Tensor] = []
+    for t in range(r.shape[1] - 1, -1, -1):
+        adv_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv  # [B]
+        adv_t = torch.where(m[:, t], adv_t, zero)
+        advs.append(adv_t)
+        next_adv = torch.where(m[:, t], adv_t, next_adv)  # a skipped token carries the next model token's A, V
+        next_value = torch.where(m[:, t], v[:, t], next_value)
+    advantages = torch.stack(advs[::-1], dim=1)  # [B, T]
+    returns = torch.where(m, advantages + v, zero)
+    return advantages, returns
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # KL-penalised rewards (InstructGPT) and the KL coefficient (Ziegler et al. 2019)
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,12 +241,24 @@ def kl_penalized_reward(score: Tensor | float, kl: Tensor | float, kl_coef: Tens
     return score - kl_coef * kl
 
 
+# PPO's per-token KL penalty estimators by ``ppo.kl.estimator`` name (verl's ``algorithm.kl_penalty``: ``kl`` / ``k1``,
+# ``mse`` / ``k2``, ``low_var_kl`` / ``k3``); formulas in :mod:`lorarl.core.losses`
+KL_PENALTIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
 def kl_shaped_rewards(
-    scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kl_coef: Tensor | float
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: Tensor | float,
+    estimator: Callable[[Tensor, Tensor], Tensor] = kl_k1,
 ) -> tuple[Tensor, Tensor]:
     """Per-token rewards with a KL penalty (Ziegler et al. 2019; Ouyang et al. 2022, InstructGPT Eq. 2).
 
-    ``kl_t = logprobs_t - ref_logprobs_t`` (the k1 estimate of ``KL(pi || pi_ref)`` on the sampled token) and
+    ``kl_t = estimator(logprobs_t, ref_logprobs_t)``, an estimate of ``KL(pi || pi_ref)`` on the sampled token
+    (:data:`KL_PENALTIES`: k1 ``= logprobs - ref_logprobs``, the default; k2 ``= 0.5 (logprobs - ref_logprobs)^2``;
+    k3 ``= exp(d) - d - 1`` with ``d = ref_logprobs - logprobs``), and
     ``r_t = -kl_coef * kl_t + score * 1[t is the last valid token of the row]``.
 
     Positions outside the mask get reward 0 and kl 0 (their log-probs are never read). The last valid token of a
@@ -213,7 +269,8 @@ def kl_shaped_rewards(
     ``(rewards [B, T], kl [B, T])``.
 
     Example: ``scores=[1.0]``, ``logprobs=[[-1.0, -2.0]]``, ``ref_logprobs=[[-1.5, -1.0]]``, ``kl_coef=0.1``
-    -> ``kl = [[0.5, -1.0]]``, ``rewards = [[-0.05, 1.1]]``.
+    -> ``kl = [[0.5, -1.0]]``, ``rewards = [[-0.05, 1.1]]``; with ``estimator=kl_k2``: ``kl = [[0.125, 0.5]]``,
+    ``rewards = [[-0.0125, 0.95]]``.
     """
     if logprobs.shape != ref_logprobs.shape or logprobs.dim() != 2:
         raise ValueError(
@@ -223,7 +280,7 @@ def kl_shaped_rewards(
         raise ValueError(f"scores must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
     m = torch.broadcast_to(_bool(mask), logprobs.shape)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    kl = torch.where(m, logprobs.detach() - ref_logprobs.detach(), zero)  # [B, T]
+    kl = torch.where(m, estimator(logprobs.detach(), ref_logprobs.detach()), zero)  # [B, T]
     rewards = -kl_coef * kl  # [B, T]
     T = logprobs.shape[1]
     positions = torch.arange(T, device=logprobs.device)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from lorarl.config import GenerationConfig
 from lorarl.model import SharedBase
+from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
 from lorarl.model.tokens import pad_left, position_ids
 from lorarl.rollout.fast import FastEngine
@@ -74,10 +75,10 @@ def prefill_cache(shared: SharedBase, input_ids: Tensor, attention_mask: Tensor)
         input_ids=input_ids.to(shared.device),
         attention_mask=attention_mask.long().to(shared.device),
         position_ids=position_ids(attention_mask).to(shared.device),
-        past_key_values=DynamicCache(),
+        **cache_arg(DynamicCache()),
         use_cache=True,
     )
-    return out.past_key_values
+    return output_cache(out)
 
 
 class HFEngine:
@@ -118,7 +119,7 @@ class HFEngine:
             cache = prefill_cache(shared, unique_ids[:, :-1], unique_mask[:, :-1])
             cache.batch_repeat_interleave(group_size)
             ids, mask = prompt_ids.to(shared.device), prompt_mask.long().to(shared.device)
-            out = shared.generate(ids, mask, past_key_values=cache, **kwargs)[:, P:]
+            out = shared.generate(ids, mask, **cache_arg(cache), **kwargs)[:, P:]
             chunks.append((0, out.cpu(), recorder.finish(out) if recorder else None))
         else:
             step = batch_size or n

@@ -10,7 +10,7 @@ See ``docs/rollout_engine.md``.
 """
 
 from lorarl.rollout.fast.engine import FastEngine, unsupported_reason
-from lorarl.rollout.fast.graphs import adapter_key, release
+from lorarl.rollout.fast.graphs import adapter_key, engine_metrics, release
 from lorarl.rollout.fast.sampling import SamplerSettings, cache_length, select_tokens
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "SamplerSettings",
     "adapter_key",
     "cache_length",
+    "engine_metrics",
     "release",
     "select_tokens",
     "unsupported_reason",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.tokens import pad_left, position_ids
 from lorarl.rollout.fast.sampling import SamplerSettings, mask_finished, select_tokens
 
@@ -59,11 +60,11 @@ def prefill(shared: SharedBase, prompts: list[list[int]]):
         input_ids=ids.to(dev),
         attention_mask=mask.long().to(dev),
         position_ids=position_ids(mask).to(dev),
-        past_key_values=DynamicCache(),
+        **cache_arg(DynamicCache()),
         use_cache=True,
     )
     logits = shared.output_head()(out.last_hidden_state[:, -1])
-    return out.past_key_values, logits, mask
+    return output_cache(out), logits, mask
 
 
 def cache_layers(cache) -> list:
@@ -154,7 +155,7 @@ class DecodeState:
             input_ids=self.tokens[:, None],
             attention_mask=self.bias,
             position_ids=(self.column + self.pos_offset)[:, None],
-            past_key_values=self.cache,
+            **cache_arg(self.cache),
             use_cache=True,
         ).last_hidden_state[:, -1]
         tokens, logprobs = select_tokens(self.shared.output_head()(hidden), sampler)
