@@ -4,6 +4,15 @@ The caller passes a loss function that returns each micro-batch's *contribution*
 :func:`lorarl.core.losses.reduce_loss` with the whole batch's totals), so the accumulated gradient equals the gradient
 of the full-batch loss without further scaling. A NaN or inf loss or gradient skips the step: gradients are
 dropped, the weights and the optimizer state are not touched, and the result says so.
+
+**fp16 (dynamic loss scaling).** A base that computes in fp16 (GPUs without bf16: T4, RTX 20xx) trains with a
+``torch.amp.GradScaler`` (:func:`loss_scaler`), with its semantics: each micro-batch's loss is multiplied by the
+scale ``S`` before backward, so small activation gradients do not flush to 0 in fp16; the gradients of the (fp32)
+LoRA parameters are divided by ``S`` before clipping; when they overflowed ``S`` halves, and ``S`` doubles after
+``growth_interval`` steps in a row without overflow. Where a GradScaler loop skips the step, lorarl redoes the
+step's backward passes at the halved scale (an RL step's rollout is too dear to throw away); only gradients that
+overflow even at a scale below 1 skip the step, as non-finite (:class:`NonFiniteGuard`). The scaler's state is
+saved with its optimizer's (:func:`attach_loss_scaler`), so a resumed run continues at the same scale.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from torch import Tensor
 
 from lorarl.core.stats import MeanAccumulator
 from lorarl.errors import LorarlError
+from lorarl.model.precision import needs_loss_scaling
 from lorarl.phases import phase
 
 # A loss function: micro-batch -> (loss contribution, {stat name: (sum, count)}).
@@ -35,6 +45,9 @@ class StepResult:
     stats:        the loss function's stats, each ``sum / count`` over the micro-batches.
     lr:           learning rate used.
     held:         True when ``hold`` held the update back (PPO's approx-KL early stop; weights untouched).
+    overflow:     True when the skip was a loss-scaled fp16 gradient overflow (the scale was lowered).
+    loss_scale:   the loss scale the step's backward ran at (None without loss scaling).
+    overflows:    passes redone at a halved loss scale before this one (:func:`optimizer_step`).
     """
 
     loss: float
@@ -44,6 +57,39 @@ class StepResult:
     stats: dict[str, float] = field(default_factory=dict)
     lr: float = 0.0
     held: bool = False
+    overflow: bool = False
+    loss_scale: float | None = None
+    overflows: int = 0
+
+
+SCALER_KEY = "lorarl_loss_scaler"  # where a loss scaler's state sits in its optimizer's state dict
+
+
+def loss_scaler(compute_dtype: torch.dtype, device_type: str) -> torch.amp.GradScaler | None:
+    """A ``torch.amp.GradScaler`` (its defaults: initial scale 2^16, x2 after 2000 clean steps, x0.5 on overflow)
+    for a base computing in ``compute_dtype`` on ``device_type`` when it needs loss scaling (fp16), else None."""
+    if not needs_loss_scaling(compute_dtype):
+        return None
+    return torch.amp.GradScaler(device_type)
+
+
+def attach_loss_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    """Save ``scaler``'s state inside ``optimizer.state_dict()`` (key :data:`SCALER_KEY`) and restore it with
+    ``optimizer.load_state_dict``, so checkpoints and resumes carry the loss scale with no other change."""
+
+    def save(_opt, state: dict) -> dict:
+        state[SCALER_KEY] = scaler.state_dict()
+        return state
+
+    def load(_opt, state: dict) -> dict:
+        state = dict(state)
+        saved = state.pop(SCALER_KEY, None)
+        if saved is not None:
+            scaler.load_state_dict(saved)
+        return state
+
+    optimizer.register_state_dict_post_hook(save)
+    optimizer.register_load_state_dict_pre_hook(load)
 
 
 def micro_batches(n: int, size: int) -> Iterator[slice]:
@@ -66,6 +112,31 @@ def optimizer_step(
     *,
     max_grad_norm: float | None = None,
     hold: Callable[[dict[str, float]], bool] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> StepResult:
+    """:func:`one_pass` over ``batches``; with a ``scaler``, a pass whose gradients overflowed is redone at the
+    halved scale (the batch is kept: an RL step's rollout is not wasted) until one fits or the scale falls below 1
+    (then the step is skipped as non-finite). ``overflows`` in the result counts the passes redone."""
+    if scaler is None:
+        return one_pass(params, optimizer, batches, loss_fn, max_grad_norm=max_grad_norm, hold=hold)
+    batches, overflows = list(batches), 0
+    while True:
+        result = one_pass(params, optimizer, batches, loss_fn, max_grad_norm=max_grad_norm, hold=hold, scaler=scaler)
+        if not (result.overflow and scaler.get_scale() >= 1.0):
+            result.overflows = overflows
+            return result
+        overflows += 1
+
+
+def one_pass(
+    params: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    loss_fn: LossFn,
+    *,
+    max_grad_norm: float | None = None,
+    hold: Callable[[dict[str, float]], bool] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> StepResult:
     """Accumulate gradients of ``loss_fn`` over ``batches`` (backward per micro-batch), then clip the total norm to
     ``max_grad_norm`` and take one optimizer step. LR schedules are stepped by the caller, once per RL step.
@@ -73,10 +144,12 @@ def optimizer_step(
     A non-finite micro-batch loss stops the accumulation; a non-finite loss or gradient norm skips the optimizer
     step and returns ``skipped=True``. ``hold(stats)`` is asked with the batch's stats before the step: True holds
     the update back (``held=True``, weights and optimizer state untouched) -- PPO's early stop on the approx KL of
-    the minibatch about to be applied.
+    the minibatch about to be applied. ``scaler``: dynamic loss scaling for fp16 (the module doc); the gradient
+    norm, clipping and the step then see the unscaled gradients.
     """
     optimizer.zero_grad(set_to_none=True)
     lr = float(optimizer.param_groups[0]["lr"])
+    scale = float(scaler.get_scale()) if scaler is not None else None
     total_loss = 0.0
     acc = MeanAccumulator()
     n_micro = 0
@@ -92,25 +165,38 @@ def optimizer_step(
             finite = False
             break
         if loss.requires_grad:
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
     stats_out = acc.means()
     grad_norm = float("nan")
+    loss_finite, unscaled = finite, False
     if finite:
+        if scaler is not None and any(p.grad is not None for p in params):
+            scaler.unscale_(optimizer)  # grads / S, and records whether any overflowed
+            unscaled = True
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         finite = math.isfinite(grad_norm) and _grads_finite(params)
     if not finite:
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(total_loss, grad_norm, True, n_micro, stats_out, lr)
+        if unscaled:
+            scaler.update()  # an overflow: S halves
+        overflow = scaler is not None and loss_finite
+        return StepResult(total_loss, grad_norm, True, n_micro, stats_out, lr, overflow=overflow, loss_scale=scale)
     if hold is not None and hold(stats_out):
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr, held=True)
+        if unscaled:
+            scaler.update()
+        return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr, held=True, loss_scale=scale)
     if max_grad_norm is not None and grad_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(grad_norm))
     with phase("optimizer"):
-        optimizer.step()
+        if unscaled:
+            scaler.step(optimizer)  # no overflow was found: steps
+            scaler.update()
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr)
+    return StepResult(total_loss, grad_norm, False, n_micro, stats_out, lr, loss_scale=scale)
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -128,6 +214,7 @@ def optimizer_step_halving(
     max_grad_norm: float | None = None,
     hold: Callable[[dict[str, float]], bool] | None = None,
     on_halve: Callable[[int, int], None] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[StepResult, int]:
     """:func:`optimizer_step` over ``make_batches(micro_batch_size)`` (the micro-batches of one batch split into
     pieces of at most that many rows, e.g. ``lambda n: (rows[s] for s in micro_batches(len(rows), n))``); on an
@@ -148,6 +235,7 @@ def optimizer_step_halving(
                 loss_fn,
                 max_grad_norm=max_grad_norm,
                 hold=hold,
+                scaler=scaler,
             )
             return result, size
         except (RuntimeError, MemoryError) as err:
@@ -171,11 +259,15 @@ class NonFiniteGuard:
     in_row: int = 0
 
     def check(self, result: StepResult, step: int, who: str = "") -> bool:
-        """Count ``result`` if it was skipped; raise LorarlError at ``max_in_row`` in a row. Returns skipped."""
+        """Count ``result`` if it was skipped; raise LorarlError at ``max_in_row`` in a row. Returns skipped.
+        An fp16 overflow skip at a loss scale of 1 or more (a lone :func:`one_pass`; :func:`optimizer_step`
+        retries those) is counted but never stops the run."""
         if not result.skipped:
             self.in_row = 0
             return False
         self.skipped += 1
+        if result.overflow and (result.loss_scale or 0.0) >= 1.0:
+            return True
         self.in_row += 1
         from tqdm.auto import tqdm
 

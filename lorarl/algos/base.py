@@ -56,11 +56,13 @@ class Algorithm(Protocol):
 
 @dataclass
 class TrainedRole:
-    """One trained adapter (and head): exactly its parameters, its AdamW and its LR schedule."""
+    """One trained adapter (and head): exactly its parameters, its AdamW and its LR schedule, and the loss scaler
+    when the base computes in fp16 (:func:`lorarl.update.loss_scaler`; None otherwise)."""
 
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None = None
 
 
 def trained_role(shared, role: str, tcfg: TrainConfig, total_steps: int, lr: float | None = None) -> TrainedRole:
@@ -68,10 +70,16 @@ def trained_role(shared, role: str, tcfg: TrainConfig, total_steps: int, lr: flo
     schedule spans ``total_steps`` RL steps (warm-up ``train.warmup_steps`` of them): the algorithm advances it
     once per step (:func:`lorarl.core.schedules.advance`), so every update of a step uses that step's LR whatever
     happened to the step's updates (PPO's early stop, skipped non-finite updates)."""
+    from lorarl.model.precision import base_compute_dtype
+    from lorarl.update import attach_loss_scaler, loss_scaler
+
     params = shared.trainable_parameters(role)
     opt = torch.optim.AdamW(params, lr=lr or tcfg.learning_rate, weight_decay=tcfg.weight_decay)
     sched = make_scheduler(opt, tcfg.lr_scheduler, tcfg.warmup_steps, total_steps)
-    return TrainedRole(params, opt, sched)
+    scaler = loss_scaler(base_compute_dtype(shared.base), shared.device.type)
+    if scaler is not None:
+        attach_loss_scaler(opt, scaler)
+    return TrainedRole(params, opt, sched, scaler)
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -224,6 +224,7 @@ class RewardModel:
                 (idx[s] for s in micro_batches(len(idx), self.mbs)),
                 loss_fn,
                 max_grad_norm=tcfg.max_grad_norm,
+                scaler=self.role.scaler,
             )
         advance(self.role.scheduler)
         self.guard.check(result, step)

@@ -82,6 +82,20 @@ def example_batch(data: SFTSet, rows: list[int], pad_id: int) -> ExampleBatch:
     return ExampleBatch(p_ids, p_mask, c_ids, c_mask.bool(), list(rows))
 
 
+def loss_mask(data: SFTSet, rows: list[int], batch: ExampleBatch) -> Tensor:
+    """``[B, T]`` bool: the completion tokens the loss counts -- all of them, or a trace's assistant turns."""
+    if data.loss_masks is None:
+        return batch.completion_mask
+    return pad_right([[int(x) for x in data.loss_masks[i]] for i in rows], 0)[0].bool()
+
+
+def loss_tokens(data: SFTSet, rows: list[int]) -> int:
+    """The number of completion tokens of ``rows`` the loss counts."""
+    if data.loss_masks is None:
+        return sum(len(data.completion_ids[i]) for i in rows)
+    return sum(sum(data.loss_masks[i]) for i in rows)
+
+
 def completion_nll(logprobs: Tensor, mask: Tensor, total_tokens: int) -> Tensor:
     """A micro-batch's share of the batch's token-mean NLL: ``-sum_{b,t} m_bt * logp_bt / total_tokens``.
 
@@ -94,7 +108,7 @@ def completion_nll(logprobs: Tensor, mask: Tensor, total_tokens: int) -> Tensor:
 def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int]):
     """Step 2: the NLL share of micro-batch ``rows`` under the policy -> ``(loss, {})`` (the loss is the metric)."""
     mb = example_batch(data, rows, shared.pad_id)
-    mask = mb.completion_mask.to(shared.device)  # [B, T]
+    mask = loss_mask(data, rows, mb).to(shared.device)  # [B, T]
     with shared.role(POLICY, train=True, dropout=True):
         logprobs, _ = completion_logprobs(shared, mb, temperature=1.0)  # [B, T]
     return completion_nll(logprobs, mask, total_tokens), {}
@@ -115,9 +129,14 @@ class SFT:
             shared.add_adapter(POLICY, recipe.lora)
         self.roles = self.outputs = [POLICY]
         self.final_eval = False  # held-out accuracy every eval.every steps; the pipeline evaluates every stage
-        self.data = load_sft(
-            recipe.data, shared.tokenizer, self.eos_id(), cfg.max_length, recipe_path=recipe.source_path
-        )
+        if recipe.agent is not None:  # tool-use traces: loss on the assistant's turns only (lorarl.agents.traces)
+            from lorarl.agents.traces import load_tool_sft
+
+            self.data = load_tool_sft(recipe, shared.tokenizer, shared.eos_ids, self.eos_id(), cfg.max_length)
+        else:
+            self.data = load_sft(
+                recipe.data, shared.tokenizer, self.eos_id(), cfg.max_length, recipe_path=recipe.source_path
+            )
         for i, why in self.data.skipped[:5]:
             print(f"data: skipped row {i}: {why}", file=sys.stderr)
         if self.data.skipped:
@@ -145,7 +164,7 @@ class SFT:
     def step(self, batch: SFTBatch) -> dict:
         """One optimizer step on ``batch``; returns its metrics."""
         shared, tcfg, rows, step = self.shared, self.recipe.train, batch.rows, batch.step
-        total_tokens = sum(len(self.data.completion_ids[i]) for i in rows)
+        total_tokens = loss_tokens(self.data, rows)
 
         # 2. One optimizer step over micro-batches: each returns its share of the batch's token-mean NLL --------
         loss_fn = functools.partial(sft_loss, shared, self.data, total_tokens)
@@ -157,6 +176,7 @@ class SFT:
                 (rows[s] for s in micro_batches(len(rows), self.mbs)),
                 loss_fn,
                 max_grad_norm=tcfg.max_grad_norm,
+                scaler=self.policy.scaler,
             )
         advance(self.policy.scheduler)
         self.guard.check(result, step)

@@ -10,9 +10,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from lorarl.config.agent import AgentConfig
 from lorarl.config.algorithms import (
     ALGO_SECTIONS,
     TRAINS_ON_SAMPLES,
+    DPOConfig,
     GRPOConfig,
     PPOConfig,
     RejectionSamplingConfig,
@@ -20,6 +22,7 @@ from lorarl.config.algorithms import (
     SFTConfig,
 )
 from lorarl.config.common import LoraSettings, check
+from lorarl.config.rewards import JudgeConfig, RemoteRewardConfig, validate_reward_entry
 
 Quantization = Literal["nf4", "none", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -32,7 +35,7 @@ class ModelConfig:
 
     name: str = "smollm2-135m"  # a name from `lorarl models`, a local transformers folder, or a hub name
     quantization: Quantization = "auto"  # nf4 on CUDA, none on CPU (NF4 wrecks a 135M model: measured)
-    dtype: DType = "auto"  # compute dtype: bf16 on CUDA, fp32 on CPU
+    dtype: DType = "auto"  # compute dtype: fp32 on CPU; on CUDA bf16 where native, else fp16 (loss-scaled)
     gradient_checkpointing: bool = True  # recompute activations in backward (memory for ~1/3 more time)
     trust_remote_code: bool = False  # run code shipped with a hub model (off: only transformers' own code)
     init_adapter: str | None = None  # start from a trained PEFT adapter; the reference is then that adapter, frozen
@@ -47,11 +50,13 @@ class ArithmeticConfig:
     """The built-in arithmetic task (``data.source: arithmetic``)."""
 
     operations: list[str] = field(default_factory=lambda: ["+"])  # any of + - *
-    digits: int = 2  # digits of each operand
+    digits: int = 2  # digits of each operand (of the first, when digits_b is set)
+    digits_b: int | None = None  # digits of the second operand (3 x 2 multiplication: digits 3, digits_b 2)
     prompt_template: str = "What is {a} {op} {b}?"  # the user message, with {a} {op} {b}
 
     def validate(self, where: str) -> None:
         check(1 <= self.digits <= 6, where, "data.arithmetic.digits", "must be in 1..6")
+        check(self.digits_b is None or 1 <= self.digits_b <= 6, where, "data.arithmetic.digits_b", "must be in 1..6")
         bad = [op for op in self.operations if op not in ("+", "-", "*")]
         check(
             not bad and bool(self.operations),
@@ -120,10 +125,13 @@ class RewardSpec:
     """One reward function: a built-in name or ``module:function`` with TRL's signature, and its weight."""
 
     name: str = (
-        "numeric_match"  # built-in (numeric_match, math_match, format, partial_credit, length_penalty, code_tests)
+        "numeric_match"  # built-in (numeric_match, math_match, format, partial_credit, length_penalty, code_tests),
+        #                  module:function, or remote / judge (with the section of that name below)
     )
     weight: float = 1.0  # its weight in the total
     kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the function
+    remote: RemoteRewardConfig | None = None  # name: remote -- an HTTP reward server (docs/rewards.md)
+    judge: JudgeConfig | None = None  # name: judge -- an LLM judge on the shared base (docs/rewards.md)
 
 
 @dataclass
@@ -140,6 +148,7 @@ class RewardConfig:
     def validate(self, where: str) -> None:
         for i, spec in enumerate(self.functions):
             check(bool(spec.name), where, f"reward.functions[{i}].name", "must not be empty")
+            validate_reward_entry(spec, where, i)
         check(
             self.source == "reward_model" or bool(self.functions),
             where,
@@ -242,7 +251,8 @@ class HealthConfig:
 
     parity_every: int = 25  # compare sampler and trainer log-probs on step 1 and every N steps
     parity_rows: int = 8  # rows scored for the parity check
-    parity_tolerance: float = 0.05  # mean |delta log-prob| per token above which the run stops (nats)
+    parity_tolerance: float | None = None  # mean |delta log-prob| per token (nats) above which the run stops, or
+    #   tis.mode auto corrects; null: by precision, fp32 1e-3, bf16 / NF4 0.1, fp16 0.05 (lorarl.health)
     learning_after: int = 5  # steps with updates after which an adapter that has not moved is reported
     no_signal_steps: int = 5  # steps in a row with most groups at zero reward spread before a warning
     no_signal_fraction: float = 0.9  # "most groups": this fraction of zero-spread groups
@@ -252,7 +262,9 @@ class HealthConfig:
     def validate(self, where: str) -> None:
         for name in ("parity_every", "parity_rows", "learning_after", "no_signal_steps", "alarm_window"):
             check(getattr(self, name) >= 0, where, f"health.{name}", "must be >= 0 (0: off)")
-        check(self.parity_tolerance > 0, where, "health.parity_tolerance", "must be > 0")
+        check(
+            self.parity_tolerance is None or self.parity_tolerance > 0, where, "health.parity_tolerance", "must be > 0"
+        )
         check(0 < self.no_signal_fraction <= 1, where, "health.no_signal_fraction", "must be in (0, 1]")
         check(self.length_drift == 0 or self.length_drift > 1, where, "health.length_drift", "must be > 1 (0: off)")
 
@@ -261,7 +273,7 @@ class HealthConfig:
 class Recipe:
     """A whole recipe: the algorithm, the shared sections, and the algorithm's own section (the others are None)."""
 
-    algo: Literal["grpo", "ppo", "reward_model", "sft", "rejection_sampling"] = "grpo"  # which algorithm trains
+    algo: Literal["grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo"] = "grpo"  # which algorithm trains
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
@@ -270,11 +282,13 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    agent: AgentConfig | None = None  # tools / environment and multi-turn budgets (lorarl.agents); None: single-turn
     grpo: GRPOConfig | None = None
     ppo: PPOConfig | None = None
     reward_model: RewardModelConfig | None = None
     sft: SFTConfig | None = None
     rejection_sampling: RejectionSamplingConfig | None = None
+    dpo: DPOConfig | None = None
     source_path: str | None = None  # where the recipe was read from (set by load_recipe, not a YAML key)
 
     def __post_init__(self) -> None:
