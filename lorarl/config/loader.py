@@ -72,6 +72,8 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             return value
         raise RecipeError(f"{where}: {key} must be one of {_type_name(tp)}, got {value!r}")
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):  # an optional section left unset stays unset
+            return None
         section = _dataclass_of(tp)
         if section is not None and isinstance(value, dict):  # an optional section: its own errors name the key
             return _build(section, value, key, where)

@@ -13,6 +13,7 @@ from typing import Any
 
 from lorarl.errors import LorarlError
 from lorarl.plan.engine import fast_generation_moments, fast_persistent_terms
+from lorarl.plan.judge import judge_persistent_terms, judging_moments
 from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import (
     CUBLAS_WORKSPACE_BYTES,
@@ -75,6 +76,10 @@ class PlanSettings:
     packed_training: bool = True
     engine: str = "hf"  # generation.engine: hf (transformers' generate) | fast (static cache, lorarl.plan.engine)
     cuda_graphs: bool = True  # generation.cuda_graphs: the fast engine keeps its cache and graph pool (CUDA only)
+    judge: str = "none"  # an LLM-judge reward (lorarl.plan.judge): none | base | adapter | folder
+    judge_model: str | None = None  # judge folder: its folder / config.json / known name (its weights count)
+    judge_rows: int = 16  # judge prompts per generate call (judge.batch_size)
+    judge_tokens: int = 0  # tokens of one judge prompt with its answer
 
     @property
     def rows(self) -> int:
@@ -156,6 +161,7 @@ def persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[s
     persistent["adam_states"] = 8 * (z.n_policy + z.n_critic)
     persistent["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if s.device == "cuda" else 0
     persistent.update(fast_persistent_terms(shape, s, z))
+    persistent.update(judge_persistent_terms(shape, s, z.n_policy, z.dt))
     return persistent
 
 
@@ -328,6 +334,8 @@ def phase_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[str,
     if s.algo == "ppo":
         phases["critic_training"] = critic_training_moments(shape, s, z)
     phases["optimizer"] = optimizer_moments(z)
+    if s.judge != "none":
+        phases["judging"] = judging_moments(shape, s, z.dt)
     return phases
 
 

@@ -10,6 +10,7 @@ from lorarl.config import GRPOConfig, PPOConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import pick_micro_batch
 from lorarl.plan.estimate import PlanSettings, estimate_memory
+from lorarl.plan.judge import judge_settings
 from lorarl.plan.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
 from lorarl.plan.terms import GB
 
@@ -60,6 +61,7 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
         device=device_type,
         engine=g.engine,
         cuda_graphs=g.cuda_graphs,
+        **judge_settings(recipe, prompt_len, grpo.group_size if algo == "grpo" else 1),
     )
 
 

@@ -15,6 +15,9 @@ as ``module:function`` (``my_rewards:score``, or ``path/to/file.py:score``); ``k
 
 :class:`RewardScorer` calls each function once per batch and isolates failures: an exception or a timeout turns that
 function's column into NaN (a missing value, left out of the group statistics), is counted, and the run goes on.
+``async def`` functions run concurrently (:mod:`lorarl.rewards.concurrent`); ``name: remote`` POSTs the batch to an
+HTTP server (:mod:`lorarl.rewards.remote`); ``name: judge`` asks an LLM judge on the shared base
+(:mod:`lorarl.rewards.judge`). docs/rewards.md has the wire format and the judge's prompts.
 """
 
 from lorarl.core.messages import completion_text

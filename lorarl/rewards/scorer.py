@@ -1,5 +1,12 @@
 """Calling reward functions on a batch: each once, under a time limit, failures isolated and counted, then combined
-into a weighted total (NaN where no function has a value)."""
+into a weighted total (NaN where no function has a value).
+
+``async def`` functions (and the remote reward) run concurrently with each other on one event loop per scoring call
+(:mod:`lorarl.rewards.concurrent`), while the plain functions run one after the other as before. Two kinds of
+failure are counted, both against ``reward.max_failure_fraction``: a failed call (exception, timeout, malformed
+result: the function's whole column is NaN) and a failed value (the function returned NaN for a row, e.g. a judge
+answer that did not parse). ``None`` is not a failure: it means "does not apply" (TRL's convention).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +25,8 @@ import torch
 from lorarl.config import RewardSpec
 from lorarl.errors import LorarlError
 from lorarl.rewards.builtins import BUILTIN_REWARDS, RewardFn
-from lorarl.rewards.registry import _metric_names, load_reward_fn
+from lorarl.rewards.concurrent import is_async_reward, start_async_rewards, unwrap_partial
+from lorarl.rewards.registry import RewardContext, _metric_names, build_reward_fn
 
 
 class RewardTimeout(Exception):
@@ -78,13 +86,16 @@ class RewardScores:
     per_function: ``[N, K]`` float32, NaN where a function returned None or failed.
     total:        ``[N]`` float32, ``sum_k w_k r_k`` over the functions with a value; NaN where none has one.
     names:        ``K`` metric names (the function names, made unique).
-    failures:     ``{name: "error message"}`` for the functions whose call failed on this batch.
+    failures:     ``{name: "error message"}`` for the functions whose call failed on this batch, or some of whose
+                  values failed (``"k of N values failed: ..."``).
+    extra:        per-batch metrics of functions that report their own (``rewards/judge/failed_rows``, ...).
     """
 
     per_function: torch.Tensor
     total: torch.Tensor
     names: list[str]
     failures: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
 
     def means(self) -> dict[str, float]:
         """Each function's mean over its non-NaN values (NaN if it has none)."""
@@ -98,9 +109,12 @@ class RewardScores:
 
 class RewardScorer:
     """Calls the recipe's reward functions on a batch and combines them into an ``[N, K]`` matrix and a weighted
-    total. Keeps count of calls and failures (exceptions, timeouts, malformed results) across the run."""
+    total. Keeps count of calls and failures (exceptions, timeouts, malformed results) across the run, and of each
+    function's values and failed (NaN) values.
 
-    def __init__(self, specs: list[RewardSpec], timeout_s: float | None = None):
+    ``context`` gives the entries that need more than their spec (``judge``: the shared base) what they need."""
+
+    def __init__(self, specs: list[RewardSpec], timeout_s: float | None = None, context: RewardContext | None = None):
         if not specs:
             raise LorarlError("rewards: at least one reward function is needed")
         self.specs = list(specs)
@@ -110,7 +124,7 @@ class RewardScorer:
         self.fns: list[RewardFn] = []
         for i, spec in enumerate(self.specs):
             try:
-                fn = load_reward_fn(spec.name)
+                fn = build_reward_fn(spec, context)
             except LorarlError as e:
                 raise LorarlError(f"rewards[{i}].name: {e}") from None
             if spec.kwargs:
@@ -119,20 +133,50 @@ class RewardScorer:
             self.fns.append(fn)
         self.calls = 0
         self.failures = 0
+        self.values = [0] * len(self.fns)  # per function: values returned (rows of calls that did not fail)
+        self.failed_values = [0] * len(self.fns)  # per function: of those, NaN (a failed value)
 
     @property
     def failure_fraction(self) -> float:
         return self.failures / self.calls if self.calls else 0.0
 
+    def value_failure_fraction(self, k: int) -> float:
+        """Function ``k``'s failed values over its values (0 when it returned none)."""
+        return self.failed_values[k] / self.values[k] if self.values[k] else 0.0
+
     def check_failure_budget(self, max_fraction: float, last_failures: dict | None = None, min_calls: int = 4) -> None:
-        """Raise LorarlError once at least ``min_calls`` calls were made and more than ``max_fraction`` failed
-        (``train.max_reward_failure_fraction``); ``last_failures`` (name -> error) goes into the message."""
-        if self.calls >= min_calls and self.failure_fraction > max_fraction:
-            last = "; ".join(f"{k}: {v}" for k, v in (last_failures or {}).items()) or "see above"
+        """Raise LorarlError once at least ``min_calls`` calls were made and more than ``max_fraction`` of the calls
+        failed, or of one function's values (``reward.max_failure_fraction``); ``last_failures`` (name -> error)
+        goes into the message."""
+        if self.calls < min_calls:
+            return
+        last = "; ".join(f"{k}: {v}" for k, v in (last_failures or {}).items()) or "see above"
+        if self.failure_fraction > max_fraction:
             raise LorarlError(
                 f"reward functions failed in {self.failures} of {self.calls} calls ({self.failure_fraction:.0%} > "
-                f"train.max_reward_failure_fraction={max_fraction:g}); last: {last}"
+                f"reward.max_failure_fraction={max_fraction:g}); last: {last}"
             )
+        for k, name in enumerate(self.names):
+            if self.value_failure_fraction(k) > max_fraction:
+                raise LorarlError(
+                    f"reward {name}: {self.failed_values[k]} of its {self.values[k]} values failed "
+                    f"({self.value_failure_fraction(k):.0%} > reward.max_failure_fraction={max_fraction:g}); "
+                    f"last: {last}"
+                )
+
+    def state_dict(self) -> dict:
+        return {
+            "calls": self.calls,
+            "failures": self.failures,
+            "values": list(self.values),
+            "failed_values": list(self.failed_values),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls, self.failures = int(state["calls"]), int(state["failures"])
+        k = len(self.fns)  # checkpoints from before per-value counting hold only calls / failures
+        self.values = [int(v) for v in state.get("values", [0] * k)]
+        self.failed_values = [int(v) for v in state.get("failed_values", [0] * k)]
 
     def score_rollout(self, prompts, rollout) -> RewardScores:
         """Score the rows of a :class:`~lorarl.rollout.Rollout` whose prompts are rows of ``prompts`` (a
@@ -144,6 +188,7 @@ class RewardScorer:
             trl_completions(rollout.completions, prompts.conversational),
             prompts.columns(idx),
             rollout.completion_token_lists(),
+            group_size=rollout.group_size,
         )
 
     def __call__(
@@ -152,27 +197,59 @@ class RewardScorer:
         completions: list,
         columns: dict[str, list] | None = None,
         completion_ids: list[list[int]] | None = None,
+        group_size: int = 1,
     ) -> RewardScores:
+        """Score ``N`` completions: every function once (the ``async def`` ones concurrently, on one event loop, while
+        the plain ones run); ``group_size``: consecutive rows answering the same prompt (group-relative judges)."""
         n = len(completions)
         columns = dict(columns or {})
         if completion_ids is not None:
             columns.setdefault("completion_ids", completion_ids)
+
+        def call(fn):
+            extra = {"group_size": group_size} if getattr(unwrap_partial(fn), "wants_group_size", False) else {}
+            return fn(prompts=prompts, completions=completions, **columns, **extra)
+
         matrix = torch.full((n, len(self.fns)), float("nan"), dtype=torch.float32)
         failures: dict[str, str] = {}
+        extra_metrics: dict[str, float] = {}
+        pending = start_async_rewards(
+            {k: functools.partial(call, fn) for k, fn in enumerate(self.fns) if is_async_reward(fn)}, self.timeout_s
+        )
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        for k, fn in enumerate(self.fns):
+            if k in pending.jobs:
+                continue
+            try:
+                outcomes[k] = (True, call_with_timeout(functools.partial(call, fn), self.timeout_s))
+            except Exception as e:  # isolation: any failure of a user's function is recorded, never fatal here
+                outcomes[k] = (False, e)
+        outcomes.update(pending.wait())
         for k, (fn, name) in enumerate(zip(self.fns, self.names)):
             self.calls += 1
+            ok, result = outcomes[k]
+            target = unwrap_partial(fn)
+            if hasattr(target, "step_metrics"):  # reported whether the call failed or not (retries, seconds, ...)
+                extra_metrics.update({f"rewards/{name}/{key}": v for key, v in target.step_metrics().items()})
             try:
-                values = call_with_timeout(
-                    lambda fn=fn: fn(prompts=prompts, completions=completions, **columns), self.timeout_s
-                )
-                matrix[:, k] = _as_column(values, n)
-            except Exception as e:  # isolation: any failure of a user's function is recorded, never fatal here
+                if not ok:
+                    raise result
+                matrix[:, k], n_failed = _as_column(result, n)
+            except Exception as e:
                 self.failures += 1
                 failures[name] = f"{type(e).__name__}: {e}"
+                continue
+            self.values[k] += n
+            self.failed_values[k] += n_failed
+            if n_failed:
+                why = getattr(target, "last_value_error", None) or "returned NaN"
+                failures[name] = f"{n_failed} of {n} values failed ({why})"
         valid = ~torch.isnan(matrix)
         weighted = torch.where(valid, matrix * self.weights, torch.zeros(()))
         total = torch.where(valid.any(dim=1), weighted.sum(dim=1), torch.full((n,), float("nan")))
-        return RewardScores(per_function=matrix, total=total, names=list(self.names), failures=failures)
+        return RewardScores(
+            per_function=matrix, total=total, names=list(self.names), failures=failures, extra=extra_metrics
+        )
 
 
 def trl_completions(completions: list[str], conversational: bool) -> list:
@@ -196,15 +273,16 @@ def _check_kwargs(fn: RewardFn, spec: RewardSpec, index: int) -> None:
         raise LorarlError(f"rewards[{index}].kwargs: {spec.name} takes no argument {', '.join(unknown)}")
 
 
-def _as_column(values: Any, n: int) -> torch.Tensor:
-    """A reward function's result -> ``[N]`` float32 with NaN for None. Raises ValueError when malformed."""
+def _as_column(values: Any, n: int) -> tuple[torch.Tensor, int]:
+    """A reward function's result -> (``[N]`` float32 with NaN for None and for NaN, the number of NaN values: the
+    failed ones). Raises ValueError when malformed."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().tolist()
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"returned {type(values).__name__}, expected a list of {n} floats")
     if len(values) != n:
         raise ValueError(f"returned {len(values)} values for {n} completions")
-    out = []
+    out, failed = [], 0
     for v in values:
         if v is None:
             out.append(float("nan"))
@@ -217,5 +295,6 @@ def _as_column(values: Any, n: int) -> torch.Tensor:
         v = float(v)
         if math.isinf(v):
             raise ValueError("returned an infinite reward")
+        failed += math.isnan(v)
         out.append(v)
-    return torch.tensor(out, dtype=torch.float32)
+    return torch.tensor(out, dtype=torch.float32), failed

@@ -20,6 +20,8 @@ from lorarl.errors import LorarlError
 from lorarl.model import HEAD_FILE, SharedBase
 from lorarl.model.tokens import end_finished_with
 from lorarl.phases import phase
+from lorarl.rewards.concurrent import unwrap_partial
+from lorarl.rewards.registry import RewardContext
 from lorarl.rewards.scorer import RewardScorer, RewardScores
 from lorarl.runs import find_adapter, resolve_path
 
@@ -75,8 +77,10 @@ class SourceScores:
     rules: RewardScores | None
 
     def means(self) -> dict[str, float]:
-        """``rewards/<function>/mean`` and ``rm_score`` (what the loops log beside the total)."""
+        """``rewards/<function>/mean``, the functions' own per-batch metrics (``rewards/judge/failed_rows``, ...) and
+        ``rm_score`` (what the loops log beside the total)."""
         out = {f"rewards/{k}/mean": v for k, v in (self.rules.means() if self.rules else {}).items()}
+        out.update(self.rules.extra if self.rules else {})
         if self.reward_model is not None:
             out["rm_score"] = float(self.reward_model.mean())
         return out
@@ -112,7 +116,8 @@ class RewardSource:
                     f"recipes/reward_model.yaml --out runs/reward_model`) and point {adapter_key} at its run directory"
                 )
             self.adapter = add_reward_role(shared, adapter, recipe_path)
-        self.rules = RewardScorer(rules, timeout_s=timeout_s) if self.uses_rules else None
+        context = RewardContext(shared=shared, recipe_path=recipe_path)
+        self.rules = RewardScorer(rules, timeout_s=timeout_s, context=context) if self.uses_rules else None
 
     def score_rollout(self, prompts, rollout) -> SourceScores:
         """Score a rollout whose rows answer rows ``rollout.prompt_index`` of ``prompts`` (a PromptSet)."""
@@ -145,11 +150,18 @@ class RewardSource:
         return self.rules.failures if self.rules else 0
 
     def state_dict(self) -> dict:
-        return {"calls": self.calls, "failures": self.failures}
+        return self.rules.state_dict() if self.rules else {"calls": 0, "failures": 0}
 
     def load_state_dict(self, state: dict) -> None:
         if self.rules is not None:
-            self.rules.calls, self.rules.failures = int(state["calls"]), int(state["failures"])
+            self.rules.load_state_dict(state)
+
+    def log_to(self, run_dir: str | os.PathLike) -> None:
+        """Reward functions that log samples (an LLM judge's prompts and answers) write them under ``run_dir``."""
+        for fn in self.rules.fns if self.rules else []:
+            fn = unwrap_partial(fn)
+            if hasattr(fn, "log_to"):
+                fn.log_to(Path(run_dir))
 
 
 def reward_source(recipe, shared: SharedBase, batch_size: int | None = None) -> RewardSource:
