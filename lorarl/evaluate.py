@@ -11,6 +11,7 @@ with like.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -18,17 +19,18 @@ from pathlib import Path
 
 import torch
 
-from lorarl.config import Recipe
+from lorarl.agents.step import make_step_rollout
+from lorarl.config import DataConfig, Recipe
 from lorarl.data import load_prompts
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
 from lorarl.rewards.source import RewardSource, reward_source
-from lorarl.rollout import generate_rollout
 from lorarl.runs import find_adapter
 from lorarl.tasks import accuracy
 
 POLICY = "policy"
 EVAL_ROLE = "eval_policy"  # the adapter under evaluation, loaded frozen beside the others
+AGENT_EVAL_KEYS = {"agent/turns_mean", "tools/call_frequency", "tools/failure_frequency", "agent/truncated_ratio"}
 
 
 def checkpoint_adapter(recipe: Recipe, checkpoint: str) -> Path | None:
@@ -49,6 +51,22 @@ def load_eval_adapter(shared: SharedBase, adapter: Path | None) -> str:
     return EVAL_ROLE
 
 
+def prompt_data(recipe: Recipe) -> DataConfig:
+    """The data section a greedy evaluation reads its held-out prompts from: the recipe's own, or for DPO (whose
+    ``data`` holds preference pairs) the same section with ``dpo.task_source`` as its source, read whole as the
+    held-out set (``arithmetic`` generates the task's held-out split). Raises LorarlError for a DPO recipe without
+    ``dpo.task_source``."""
+    if recipe.algo != "dpo":
+        return recipe.data
+    task = recipe.dpo.task_source if recipe.dpo is not None else None
+    if not task:
+        raise LorarlError(
+            "a DPO recipe evaluates on held-out prompts only with dpo.task_source (e.g. arithmetic, or a prompt file)"
+        )
+    columns = {k: v for k, v in recipe.data.columns.items() if k not in ("chosen", "rejected")}
+    return dataclasses.replace(recipe.data, source=task, eval_source=task, columns=columns)
+
+
 @torch.no_grad()
 def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source: RewardSource | None = None) -> dict:
     """Greedy completions of role ``role`` on the first ``n`` held-out prompts, scored and checked ->
@@ -57,24 +75,21 @@ def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source:
     ecfg = recipe.eval
     source = source or reward_source(recipe, shared)
     # generated held-out sets grow to n (their first rows do not change); files are read whole
-    prompts = load_prompts(
-        recipe.data, shared.tokenizer, "eval", size=max(n, recipe.data.eval_size), recipe_path=recipe.source_path
-    )
+    data = prompt_data(recipe)
+    prompts = load_prompts(data, shared.tokenizer, "eval", size=max(n, data.eval_size), recipe_path=recipe.source_path)
     k = min(n, len(prompts))
     completions, totals, rms, lengths, truncated, rule_scores = [], [], [], [], [], []
     failures: dict[str, str] = {}
+    rollout_fn = make_step_rollout(recipe, shared, prompts)  # the same tool loop as training when recipe.agent
+    agent_counts: dict[str, float] = {}
     for s in range(0, k, ecfg.batch_size):
         idx = list(range(s, min(s + ecfg.batch_size, k)))
-        r = generate_rollout(
-            shared,
-            [prompts.token_ids[i] for i in idx],
-            recipe.generation,
-            role=role,
-            greedy=True,
-            max_new_tokens=ecfg.max_new_tokens,
-            prompt_index=idx,
-        )
+        sampled = rollout_fn(idx, role=role, greedy=True, max_new_tokens=ecfg.max_new_tokens)
+        r = sampled.rollout
+        for key in AGENT_EVAL_KEYS & sampled.metrics.keys():  # per-trajectory rates, weighted by the batch's rows
+            agent_counts[key] = agent_counts.get(key, 0.0) + sampled.metrics[key] * len(idx) / k
         scored = source.score_rollout(prompts, r)
+        scored.total = sampled.total_reward(scored.total)
         totals.append(scored.total)
         if scored.reward_model is not None:
             rms.append(scored.reward_model)
@@ -106,6 +121,7 @@ def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source:
         reward_failures=failures or None,
         example=completions[0] if completions else None,
     )
+    out.update(agent_counts)
     return out
 
 

@@ -25,6 +25,7 @@ LAYERS = {
     "data": 2,
     "rewards": 2,
     "rollout": 2,
+    "agents": 2,
     "runs": 2,
     "checkpoint": 2,
     "update": 2,
@@ -40,6 +41,7 @@ LAYERS = {
     "chat": 4,
     "export": 4,
     "doctor": 4,
+    "env_report": 4,
     "cli": 5,
 }
 

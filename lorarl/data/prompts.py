@@ -82,7 +82,13 @@ def source_rows(
         n = size or (cfg.train_size if split == "train" else cfg.eval_size)
         a = cfg.arithmetic
         rows = make_problems(
-            split, n, seed=cfg.seed, operations=a.operations, digits=a.digits, template=a.prompt_template
+            split,
+            n,
+            seed=cfg.seed,
+            operations=a.operations,
+            digits=a.digits,
+            digits_b=a.digits_b,
+            template=a.prompt_template,
         )
         return rows, f"arithmetic ({split}, {n} rows, seed {cfg.seed})"
     rows, where = read_data_source(cfg, source, split, recipe_path=recipe_path, whole=whole)

@@ -36,6 +36,8 @@ class SFTSet:
     rows:            the rows as read, bad rows left out.
     prompt_ids:      ``[n]`` prompt token ids (chat template applied, as RL prompts).
     completion_ids:  ``[n]`` completion token ids, each ending with the end-of-turn EOS.
+    loss_masks:      ``[n]`` per completion token, True where the loss counts (tool-use traces: the assistant's
+                     turns; their tool messages are context), or None (every completion token counts).
     skipped:         ``[(row index, reason)]`` of rows dropped with ``on_bad_row: skip``.
     source:          where the rows came from.
     """
@@ -45,6 +47,7 @@ class SFTSet:
     completion_ids: list[list[int]]
     skipped: list[tuple[int, str]] = field(default_factory=list)
     source: str = ""
+    loss_masks: list[list[bool]] | None = None  # per completion token: trained on (None: all); tool-use traces
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -101,7 +104,12 @@ def read_sft_rows(cfg: DataConfig, recipe_path: str | None = None) -> tuple[list
 
         a = cfg.arithmetic
         rows = make_worked_examples(
-            cfg.train_size, seed=cfg.seed, operations=a.operations, digits=a.digits, template=a.prompt_template
+            cfg.train_size,
+            seed=cfg.seed,
+            operations=a.operations,
+            digits=a.digits,
+            digits_b=a.digits_b,
+            template=a.prompt_template,
         )
         return rows, f"arithmetic worked solutions ({cfg.train_size} rows, seed {cfg.seed})"
     return read_rows(cfg, "train", recipe_path=recipe_path)

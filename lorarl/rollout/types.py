@@ -23,6 +23,10 @@ class Rollout:
     ref_logprobs:    ``[N, T]`` fp32 log-probs under the reference, or None.
     sampler_logprobs: ``[N, T]`` fp32 log-probs the sampler drew each token with (0 outside the mask), or None.
     group_size:      ``G``.
+    model_mask:      ``[N, T]`` bool, True on the tokens the model sampled, or None (= ``completion_mask``). A
+                     multi-turn trajectory (:mod:`lorarl.agents`) is one completion holding the model's turns and the
+                     tool messages between them: ``completion_mask`` covers all of it (attended), ``model_mask`` only
+                     the model's tokens (the loss, KL, parity and critic count these).
     """
 
     prompt_ids: Tensor
@@ -36,6 +40,12 @@ class Rollout:
     ref_logprobs: Tensor | None = None
     group_size: int = 1
     sampler_logprobs: Tensor | None = None
+    model_mask: Tensor | None = None
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """``[N, T]`` bool: the tokens the model sampled (``model_mask``, else ``completion_mask``)."""
+        return self.completion_mask if self.model_mask is None else self.model_mask
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -37,23 +37,31 @@ def split_of(a: int, op: str, b: int, seed: int) -> Split:
     return "eval" if u < HELD_OUT_FRACTION else "train"
 
 
-def all_problems(operations: list[str], digits: int) -> list[tuple[int, str, int]]:
-    """Every ``(a, op, b)`` with ``digits``-digit operands (``a >= b`` for ``-``), in a fixed order."""
-    lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+def _range(digits: int) -> tuple[int, int]:
+    return (10 ** (digits - 1) if digits > 1 else 0), 10**digits - 1
+
+
+def all_problems(operations: list[str], digits: int, digits_b: int | None = None) -> list[tuple[int, str, int]]:
+    """Every ``(a, op, b)`` with a ``digits``-digit ``a`` and a ``digits_b``-digit ``b`` (default ``digits``;
+    ``a >= b`` for ``-``), in a fixed order."""
+    lo, hi = _range(digits)
+    lo_b, hi_b = _range(digits_b or digits)
     out = []
     for op in operations:
         if op not in _OPS:
             raise ValueError(f"unknown operation {op!r} (use + - *)")
         for a in range(lo, hi + 1):
-            for b in range(lo, hi + 1):
+            for b in range(lo_b, hi_b + 1):
                 if op == "-" and a < b:
                     continue
                 out.append((a, op, b))
     return out
 
 
-def _sample_problems(split: Split, n: int, seed: int, operations: list[str], digits: int) -> list[tuple[int, str, int]]:
-    pool = [p for p in all_problems(operations, digits) if split_of(*p, seed) == split]
+def _sample_problems(
+    split: Split, n: int, seed: int, operations: list[str], digits: int, digits_b: int | None = None
+) -> list[tuple[int, str, int]]:
+    pool = [p for p in all_problems(operations, digits, digits_b) if split_of(*p, seed) == split]
     random.Random(f"{seed}:{split}").shuffle(pool)  # prefix-stable: the first 100 of 200 rows are the 100 rows
     return [pool[i % len(pool)] for i in range(n)]  # more rows than problems: the shuffled pool repeats
 
@@ -66,24 +74,26 @@ def make_problems(
     operations: list[str] | None = None,
     digits: int = 2,
     template: str = DEFAULT_TEMPLATE,
+    digits_b: int | None = None,
 ) -> list[dict]:
     """``n`` rows of ``split`` (``"train"`` or ``"eval"``), deterministic in all arguments.
 
     ``template`` is formatted with ``a``, ``op``, ``b`` into the user message. Rows carry ``answer`` (a string,
     as the reward functions read it) plus ``a``, ``op``, ``b``. Distinct problems as long as the split has ``n``
-    of them (1-3 digits; otherwise the split repeats); the first ``k`` rows do not depend on ``n``.
+    of them (1-3 digits; otherwise the split repeats); the first ``k`` rows do not depend on ``n``. ``digits_b``
+    gives the second operand another size (3-digit x 2-digit multiplication: ``digits=3, digits_b=2``).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     operations = operations or ["+"]
-    if digits <= 3:
-        problems = _sample_problems(split, n, seed, operations, digits)
+    if max(digits, digits_b or digits) <= 3:
+        problems = _sample_problems(split, n, seed, operations, digits, digits_b)
     else:  # too many problems to enumerate: rejection-sample by split
         rng = random.Random(f"{seed}:{split}")
-        lo, hi = 10 ** (digits - 1), 10**digits - 1
+        (lo, hi), (lo_b, hi_b) = _range(digits), _range(digits_b or digits)
         problems = []
         while len(problems) < n:
-            a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(operations)
+            a, b, op = rng.randint(lo, hi), rng.randint(lo_b, hi_b), rng.choice(operations)
             if op == "-" and a < b:
                 a, b = b, a
             if split_of(a, op, b, seed) == split:

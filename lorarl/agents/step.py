@@ -1,0 +1,64 @@
+"""The rollout an RL step uses, chosen once at set-up: single-turn (:func:`lorarl.rollout.generate_rollout`) or
+multi-turn with tools (:func:`lorarl.agents.loop.agent_rollout`) when the recipe has an ``agent`` section. GRPO and
+PPO call the chosen function and read the loss mask from the rollout (``Rollout.loss_mask``), so their steps are
+the same for both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lorarl.rollout import Rollout, generate_rollout
+
+
+@dataclass
+class StepRollout:
+    """A step's rollout, the agent's metrics (empty single-turn) and the environment's rewards (``[N]`` or None)."""
+
+    rollout: Rollout
+    metrics: dict = field(default_factory=dict)
+    env_rewards: Tensor | None = None
+
+    def total_reward(self, total: Tensor) -> Tensor:
+        """``total`` ``[N]`` (the reward functions / reward model) plus the environment's ``get_reward()`` with
+        weight 1, as TRL adds it; where one of the two is NaN the other stands alone."""
+        if self.env_rewards is None or torch.isnan(self.env_rewards).all():
+            return total
+        env = self.env_rewards.to(total.dtype)
+        both = torch.nan_to_num(total, nan=0.0) + torch.nan_to_num(env, nan=0.0)
+        return torch.where(torch.isnan(total) & torch.isnan(env), total, both)
+
+
+RolloutFn = Callable[..., StepRollout]
+
+
+def make_step_rollout(recipe, shared, prompts) -> RolloutFn:
+    """``fn(prompt_index, *, group_size, role, record_old, reference, record_sampler) -> StepRollout`` for the
+    recipe: multi-turn when ``recipe.agent`` is set (its tools and template checked now), else single-turn."""
+    gen = recipe.generation
+    if recipe.agent is None:
+
+        def single_turn(prompt_index: list[int], **kw) -> StepRollout:
+            ids = [prompts.token_ids[i] for i in prompt_index]
+            return StepRollout(generate_rollout(shared, ids, gen, prompt_index=prompt_index, **kw))
+
+        return single_turn
+
+    from lorarl.agents.loop import agent_rollout
+    from lorarl.agents.setup import build_agent
+
+    agent = build_agent(
+        recipe.agent, shared.tokenizer, shared.eos_ids, recipe.source_path, system_prompt=recipe.data.system_prompt
+    )
+
+    def multi_turn(prompt_index: list[int], **kw) -> StepRollout:
+        rows = [prompts.rows[i] for i in prompt_index]
+        out = agent_rollout(shared, agent, rows, gen, prompt_index=prompt_index, **kw)
+        env = out.env_rewards if agent.resolved.environment is not None else None
+        return StepRollout(out.rollout, out.stats.metrics(), env)
+
+    multi_turn.agent = agent  # type: ignore[attr-defined]  (tests and eval read the resolved agent)
+    return multi_turn

@@ -1,0 +1,201 @@
+"""Tools by name, their JSON schemas, and calling them so that nothing a tool or a model does can stop a rollout.
+
+A tool is a Python function named in ``agent.tools`` as a built-in (:data:`~lorarl.agents.builtins.BUILTIN_TOOLS`),
+``package.module:function`` or ``path/to/file.py:function``. Its JSON schema is transformers' ``get_json_schema``
+of the function (type hints and a Google-style docstring: what chat templates render in the prompt), so a function
+written for TRL's ``tools=`` works unchanged.
+
+:func:`call_tool` checks the model's arguments against the schema (unknown or missing parameters, JSON types),
+runs the function under a wall-clock limit and turns its result into text (strings as they are, anything
+JSON-serialisable as JSON); every failure -- a raise, a timeout, a non-text result, bad arguments -- comes back as a
+:class:`ToolResult` with ``error`` set, whose text the model reads as the tool's answer.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorarl.agents.builtins import BUILTIN_TOOLS
+from lorarl.errors import LorarlError
+
+
+@dataclass
+class Tool:
+    """A callable tool: ``name`` as the model calls it, the function, and its JSON schema
+    (``{"type": "function", "function": {"name", "description", "parameters"}}``)."""
+
+    name: str
+    fn: Callable[..., Any]
+    schema: dict
+
+
+@dataclass
+class ToolResult:
+    """What one call returned: ``text`` (the tool message's content) and ``error`` (None when it worked)."""
+
+    name: str
+    text: str
+    error: str | None = None
+
+
+def load_object(spec: str, what: str, recipe_path: str | Path | None = None) -> Any:
+    """``package.module:attr`` or ``path/to/file.py:attr`` -> the object (a relative file path is looked up from the
+    current directory, then beside the recipe). Raises one-line :class:`LorarlError` naming ``what`` and ``spec``."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise LorarlError(f"{what} {spec!r}: expected module:name or path/to/file.py:name")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            if not path.is_file() and recipe_path is not None:
+                path = Path(recipe_path).parent / module_name
+            if not path.is_file():
+                raise LorarlError(f"{what} {spec!r}: file {module_name} not found")
+            mod_spec = importlib.util.spec_from_file_location(f"lorarl_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except LorarlError:
+        raise
+    except Exception as e:  # the user's module failing to import: say which
+        raise LorarlError(f"{what} {spec!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    if not hasattr(module, attr):
+        raise LorarlError(f"{what} {spec!r}: {module_name} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def tool_schema(fn: Callable, what: str) -> dict:
+    """transformers' ``get_json_schema(fn)``; a function it cannot describe (no docstring, an argument without a
+    type hint or without a line in ``Args:``) is one :class:`LorarlError` naming ``what``."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # DocstringParsingException / TypeHintParsingException
+        raise LorarlError(f"{what}: cannot build its JSON schema ({e})") from None
+
+
+def load_tool(spec: str, recipe_path: str | Path | None = None) -> Tool:
+    """One ``agent.tools`` entry -> a :class:`Tool`."""
+    if spec in BUILTIN_TOOLS:
+        fn = BUILTIN_TOOLS[spec]
+    elif ":" not in spec:
+        close = difflib.get_close_matches(spec, list(BUILTIN_TOOLS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise LorarlError(
+            f"agent.tools: unknown tool {spec!r}{hint}: use a built-in ({', '.join(BUILTIN_TOOLS)}), "
+            "module:function or path/to/file.py:function"
+        )
+    else:
+        fn = load_object(spec, "agent.tools: tool", recipe_path)
+        if not callable(fn):
+            raise LorarlError(f"agent.tools: tool {spec!r} is not callable")
+    schema = tool_schema(fn, f"agent.tools: tool {spec!r}")
+    return Tool(schema["function"]["name"], fn, schema)
+
+
+def load_tools(specs: list[str], recipe_path: str | Path | None = None) -> list[Tool]:
+    """Every ``agent.tools`` entry as a :class:`Tool`; two tools with one name are refused."""
+    tools = [load_tool(s, recipe_path) for s in specs]
+    names = [t.name for t in tools]
+    for n in names:
+        if names.count(n) > 1:
+            raise LorarlError(f"agent.tools: two tools are named {n!r}")
+    return tools
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
+}
+
+
+def _type_ok(value: Any, spec: dict) -> bool:
+    types = spec.get("type")
+    if types is None:
+        return True  # "any" (no hint transformers could map) accepts everything
+    types = types if isinstance(types, list) else [types]
+    for t in types:
+        allowed = _JSON_TYPES.get(t)
+        if allowed is None:
+            return True
+        if isinstance(value, bool) and t in ("integer", "number"):
+            continue  # JSON true is not a number
+        if isinstance(value, allowed):
+            return True
+    return False
+
+
+def argument_error(schema: dict, arguments: Any) -> str | None:
+    """Why ``arguments`` do not fit the tool's JSON schema (None when they do): not an object, an unknown
+    parameter, a missing required one, a value of the wrong JSON type, a value outside its ``enum``."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {type(arguments).__name__}"
+    params = schema["function"].get("parameters", {})
+    props = params.get("properties", {})
+    for k in arguments:
+        if k not in props:
+            return f"unknown parameter {k!r} (parameters: {', '.join(props) or 'none'})"
+    for k in params.get("required", []):
+        if k not in arguments:
+            return f"missing required parameter {k!r}"
+    for k, v in arguments.items():
+        spec = props[k]
+        if not _type_ok(v, spec):
+            return f"parameter {k!r} must be {spec.get('type')}, got {type(v).__name__}"
+        if "enum" in spec and v not in spec["enum"]:
+            return f"parameter {k!r} must be one of {spec['enum']}"
+    return None
+
+
+def result_text(value: Any, max_chars: int) -> str:
+    """A tool's return value as the text of its tool message: a string as it is, anything JSON-serialisable as
+    JSON; cut to ``max_chars`` (saying so). Raises TypeError for anything else (an object, bytes, a function)."""
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError):
+            raise TypeError(f"returned {type(value).__name__}, which is neither text nor JSON") from None
+    if len(text) > max_chars:
+        text = text[:max_chars] + f"... [cut: {len(text)} characters in all]"
+    return text
+
+
+def call_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: float, max_chars: int = 2000) -> ToolResult:
+    """Call tool ``name`` with ``arguments`` (a dict from the model's JSON). Never raises: an unknown tool, bad
+    arguments, an exception, a run past ``timeout_s`` seconds or a result that is not text or JSON is a
+    :class:`ToolResult` whose ``text`` is ``{"error": "..."}`` (TRL's shape) and whose ``error`` says what."""
+    from lorarl.rewards.scorer import call_with_timeout
+
+    def fail(msg: str) -> ToolResult:
+        return ToolResult(name, json.dumps({"error": msg}), msg)
+
+    tool = tools.get(name)
+    if tool is None:
+        return fail(f"unknown tool {name!r} (tools: {', '.join(tools) or 'none'})")
+    why = argument_error(tool.schema, arguments)
+    if why is not None:
+        return fail(f"{name}: {why}")
+    try:
+        value = call_with_timeout(lambda: tool.fn(**arguments), timeout_s)
+        return ToolResult(name, result_text(value, max_chars))
+    except Exception as e:  # the tool's problem is told to the model, never raised (RewardTimeout included)
+        msg = str(e) or type(e).__name__
+        if type(e).__name__ == "RewardTimeout":
+            msg = f"timed out after {timeout_s:g} s"
+        return fail(f"{name}: {msg}")
