@@ -68,6 +68,10 @@ def cmd_train(args) -> int:
     if args.save_every is not None:
         overrides.append(f"train.save_every={args.save_every}")
     recipe = load_recipe(args.recipe, overrides)
+    if recipe.agent is not None:  # a missing tool, function or environment class: one line, before the model loads
+        from lorarl.agents import resolve_agent
+
+        resolve_agent(recipe.agent, recipe.source_path)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         if not args.force:
@@ -147,9 +151,33 @@ def cmd_doctor(args) -> int:
 def cmd_bench(args) -> int:
     from lorarl.bench import run_bench
 
+    if args.which == "gpu":  # every GPU measurement into one folder (lorarl.bench.gpu)
+        from lorarl.bench.gpu import run_gpu_bench
+
+        result = run_gpu_bench(out=args.out, parts=args.part, force=args.force, smoke=args.smoke)
+        _print_json_last(result)
+        return 1 if result["failed"] else 0
+    if args.which == "judge":  # LLM judge vs numeric_match, and its cost per GRPO step (lorarl.bench.judge)
+        from pathlib import Path
+
+        from lorarl.bench.judge import run as run_judge_bench
+
+        result = run_judge_bench(Path(args.out or "runs/bench_judge"), model=args.model, steps=args.steps)
+        _print_json_last(result)
+        return 0
     options = {k: getattr(args, k) for k in ("shapes", "batches", "new_tokens", "repeats", "profile")}
     result = run_bench(args.which, steps=args.steps, model=args.model, out=args.out, rollout_options=options)
     _print_json_last(result)
+    return 0
+
+
+def cmd_env(args) -> int:
+    from lorarl.env_report import collect, format_report
+
+    env = collect()
+    print(format_report(env), flush=True)
+    if args.json:
+        _print_json_last(env)
     return 0
 
 
@@ -230,7 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr.set_defaults(func=cmd_doctor)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks")
-    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory", "rollout"])
+    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory", "rollout", "gpu", "judge"])
+    b.add_argument("--part", action="append", default=None, help="gpu: run only this part (repeatable; default all)")
+    b.add_argument("--force", action="store_true", help="gpu: run parts again even if their JSON exists")
+    b.add_argument("--smoke", action="store_true", help="gpu: tiny shapes on any device (a temp folder by default)")
     b.add_argument("--steps", type=int, default=5)
     b.add_argument(
         "--shapes",
@@ -244,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--out", default=None, help="folder for the raw per-engine results")
     b.set_defaults(func=cmd_bench)
+
+    ev = sub.add_parser("env", help="versions, devices, CUDA, NF4 kernels, the embedded model: for a bug report")
+    ev.add_argument("--json", action="store_true", help="also print the report as one JSON object (last line)")
+    ev.set_defaults(func=cmd_env)
 
     pl = sub.add_parser("plan", help="predict peak GPU memory of a recipe and pick micro-batch sizes")
     pl.add_argument("recipe")

@@ -26,6 +26,7 @@ def parse_worker_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=SETTINGS["prompts"])
     p.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"])
     p.add_argument("--reward-adapter", default=None)
+    p.add_argument("--engine", choices=["hf", "fast"], default="hf", help="grpo-lorarl: generation.engine")
     return p.parse_args(argv)
 
 
@@ -40,7 +41,7 @@ def worker_main(argv: list[str]) -> int:
     torch.set_num_threads(bench_threads())  # the same for every engine
     out = Path(a.out)
     if a.kind == "grpo-lorarl":
-        res = grpo_vs_trl.worker_lorarl(a.model, a.steps, out)
+        res = grpo_vs_trl.worker_lorarl(a.model, a.steps, out, a.engine)
     elif a.kind == "grpo-trl":
         res = grpo_vs_trl.worker_trl(a.model, a.steps, out)
     elif a.kind == "ppo-reward-adapter":

@@ -54,8 +54,9 @@ SETTINGS = {
 ROWS = SETTINGS["prompts_per_step"] * SETTINGS["group_size"]  # completions per step
 
 
-def bench_recipe(model: str, steps: int, dtype: str) -> Any:
-    """lorarl's GRPO recipe with the benchmark's settings (one micro-batch of all the step's rows)."""
+def bench_recipe(model: str, steps: int, dtype: str, engine: str = "hf") -> Any:
+    """lorarl's GRPO recipe with the benchmark's settings (one micro-batch of all the step's rows), decoding with
+    ``engine`` (``generation.engine``: hf or fast)."""
     from lorarl.config import recipe_from_dict
 
     s = SETTINGS
@@ -71,7 +72,7 @@ def bench_recipe(model: str, steps: int, dtype: str) -> Any:
                 "arithmetic": {"operations": ["+"], "digits": 2, "prompt_template": s["prompt_template"]},
             },
             "reward": {"functions": [{"name": "numeric_match"}]},
-            "generation": {"max_new_tokens": s["max_new_tokens"], "temperature": s["temperature"]},
+            "generation": {"max_new_tokens": s["max_new_tokens"], "temperature": s["temperature"], "engine": engine},
             "train": {
                 "steps": steps,
                 "prompts_per_step": s["prompts_per_step"],
@@ -130,8 +131,9 @@ def peak_memory_bytes(device: str) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # lorarl: the real run loop
 # ---------------------------------------------------------------------------------------------------------------
-def worker_lorarl(model: str, steps: int, out: Path) -> dict:
-    """Run ``steps`` steps of the bench recipe through :func:`lorarl.algos.loop.train`; summarise its metrics."""
+def worker_lorarl(model: str, steps: int, out: Path, engine: str = "hf") -> dict:
+    """Run ``steps`` steps of the bench recipe (decode engine ``engine``) through :func:`lorarl.algos.loop.train`;
+    summarise its metrics."""
     import torch
 
     from lorarl.algos import loop
@@ -143,7 +145,7 @@ def worker_lorarl(model: str, steps: int, out: Path) -> dict:
     run_dir = out / "lorarl-run"
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    loop.train(bench_recipe(model, steps, dtype), run_dir, max_steps=steps)
+    loop.train(bench_recipe(model, steps, dtype, engine), run_dir, max_steps=steps)
     rows = [r for r in read_metrics(run_dir) if "step" in r]
     return engine_summary(
         [float(r["step_time"]) for r in rows],
@@ -152,6 +154,7 @@ def worker_lorarl(model: str, steps: int, out: Path) -> dict:
         peak_memory_bytes(device),
         [r.get("step_cpu_s") for r in rows],
         engine="lorarl",
+        decode_engine=engine,
         device=device,
         gen_time_s=[round(float(r.get("time/generation", 0.0)), 3) for r in rows],
         update_time_s=[round(float(r.get("time/training", 0.0)), 3) for r in rows],
@@ -310,18 +313,20 @@ def format_table(result: dict) -> str:
     return "\n".join(out)
 
 
-def run(steps: int, model: str, out_dir: Path, timeout: float) -> dict:
-    """Both engines, each in its own process; print the table; return the bench's part of the result."""
+def run(steps: int, model: str, out_dir: Path, timeout: float, decode_engine: str = "hf") -> dict:
+    """Both engines, each in its own process (lorarl decoding with ``decode_engine``); print the table; return the
+    bench's part of the result."""
     engines = {}
     for engine in ("lorarl", "trl"):
         d = out_dir / engine
         d.mkdir(parents=True, exist_ok=True)
-        engines[engine] = run_worker([f"grpo-{engine}", "--steps", str(steps), "--model", model], d, timeout)
+        args = [f"grpo-{engine}", "--steps", str(steps), "--model", model, "--engine", decode_engine]
+        engines[engine] = run_worker(args, d, timeout)
         (d / "result.json").write_text(json.dumps(engines[engine], indent=1))
     lo, tr = engines["lorarl"], engines["trl"]
     result = {
         "steps": steps,
-        "settings": SETTINGS,
+        "settings": {**SETTINGS, "lorarl_decode_engine": decode_engine},
         "engines": engines,
         **ratios(
             lo,

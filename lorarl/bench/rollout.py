@@ -205,14 +205,33 @@ def bench_batch(shared, engines: dict, batch: int, prompt_len: int, new_tokens: 
             "wall_s": [round(x["wall"], 4) for x in full],
         }
         if name == "fast":
-            out[name]["cuda_graphs"] = bool(engines[name].used_graphs)
+            out[name].update(graph_report(shared, engines[name]))
     return out
+
+
+def graph_report(shared, engine) -> dict[str, Any]:
+    """Whether the fast engine replayed a captured step (``cuda_graphs``), the capture failures its state pool kept
+    (``graph_failures``: shape -> reason), ``eager_fallback`` (on CUDA: graphs wanted but the step ran eagerly) and
+    ``unsupported_reason`` (the model made the engine fall back to HF ``generate``; None when it did not)."""
+    from lorarl.rollout.fast import unsupported_reason
+    from lorarl.rollout.fast.graphs import pool_for
+
+    used = bool(engine.used_graphs)
+    return {
+        "cuda_graphs": used,
+        "graph_failures": dict(pool_for(shared).failures) if shared.device.type == "cuda" else {},
+        "eager_fallback": shared.device.type == "cuda" and not used,
+        "unsupported_reason": unsupported_reason(shared),
+    }
 
 
 def profile_steps(shared, engine, batch: int, prompt_len: int, top: int = 15) -> dict[str, Any]:
     """Where a decode step goes: the top operators of a 9-token call (by self device time on CUDA, self CPU time
     otherwise) and the host-side ``aten`` operator calls per decode step, ``(calls(9 tokens) - calls(1)) / 8`` -
-    on a GPU each is host work (dispatch, a kernel launch for most) unless the step is replayed from a graph."""
+    on a GPU each is host work (dispatch, a kernel launch for most) unless the step is replayed from a graph.
+    Per decode step, by the same difference: ``wall_ms_per_step`` (under the profiler), ``host_ms_per_step`` (the
+    operators' self CPU time) and ``device_ms_per_step`` (their self device time; 0 on CPU); ``device_busy`` =
+    device / wall: well below 1, the GPU waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if shared.device.type == "cuda" else [])
@@ -222,15 +241,27 @@ def profile_steps(shared, engine, batch: int, prompt_len: int, top: int = 15) ->
 
     def profiled(tokens: int):
         with profile(activities=acts) as prof:
-            timed_call(engine, shared, prompts, group, tokens)
-        return prof.key_averages()
+            call = timed_call(engine, shared, prompts, group, tokens)
+        return prof.key_averages(), call
 
-    nine, one = profiled(9), profiled(1)
+    (nine, call9), (one, call1) = profiled(9), profiled(1)
     aten_calls = [sum(e.count for e in events if e.key.startswith("aten::")) for events in (nine, one)]
     key = "self_device_time_total" if shared.device.type == "cuda" else "self_cpu_time_total"
     rows = sorted(nine, key=lambda e: getattr(e, key, 0), reverse=True)[:top]
+    steps = max(call9["steps"] - call1["steps"], 1)
+
+    def per_step_ms(attr: str) -> float:
+        totals = [sum(getattr(e, attr, 0) for e in events) for events in (nine, one)]
+        return round((totals[0] - totals[1]) / 1000 / steps, 3)
+
+    wall = round(1000 * (call9["wall"] - call1["wall"]) / steps, 3)
+    device = per_step_ms("self_device_time_total")
     return {
-        "aten_ops_per_step": round((aten_calls[0] - aten_calls[1]) / 8, 1),
+        "wall_ms_per_step": wall,
+        "host_ms_per_step": per_step_ms("self_cpu_time_total"),
+        "device_ms_per_step": device,
+        "device_busy": round(device / wall, 3) if wall > 0 else None,
+        "aten_ops_per_step": round((aten_calls[0] - aten_calls[1]) / steps, 1),
         "top_9_tokens": [
             {
                 "op": e.key,
