@@ -3,8 +3,10 @@
 
 * **generator / trainer parity** (``health.parity_every``): on step 1 and every N steps the rollout records the
   log-prob the sampler drew each token with, and the policy scores a few rows exactly as the update does (train
-  mode, dropout off, the training forward path). Above ``health.parity_tolerance`` (mean |delta| nats per token)
-  the run stops, saying what differs: a stale adapter, a logits processor, a kernel difference.
+  mode, dropout off, the training forward path). Above ``health.parity_tolerance`` (mean |delta| nats per token;
+  by default set by the model's precision, :data:`PARITY_TOLERANCE`) the run stops, saying what differs: a stale
+  adapter, a logits processor, a kernel difference -- unless ``grpo.tis`` / ``ppo.tis`` (``mode: auto``, the
+  default) trains through it with truncated importance sampling (:mod:`lorarl.algos.tis`), which is then a warning.
 * **the adapter is learning** (``health.learning_after``): after N steps that updated, the trained adapter must
   have moved (a fresh LoRA's B matrices start at 0); if not, a loud warning with the likely causes.
 * **no signal** (``health.no_signal_steps``): when most groups have zero reward spread N steps in a row, GRPO
@@ -27,6 +29,47 @@ from torch import Tensor
 from lorarl.errors import LorarlError
 
 PARITY_MEAN, PARITY_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"
+TIS_ACTIVE = "sampling/tis_active"  # 1 while the update corrects a sampler / trainer mismatch (lorarl.algos.tis)
+
+# health.parity_tolerance when the recipe leaves it null: mean |delta log-prob| per token (nats) by the precision the
+# base runs in. Sampler and trainer compute the same function with differently shaped kernels (one token with a KV
+# cache vs the whole sequence), so they differ by rounding. Measured on CPU (docs/grpo_options.md; SmolLM2-135M,
+# 64 completions): fp32 8.6e-6 (max 3.1e-5); bf16 with HF generate 0.037 (max 0.34; the bf16 forward itself is 0.041
+# from fp32); fp16 8.1e-6 (fp16 itself 0.0049 from fp32). fp32: 1e-3, ~100x its noise; bf16: 0.1, ~2.7x its noise;
+# fp16: 0.05, ~10x its own rounding; NF4 computes in bf16: bf16's. GPU kernels (cuBLAS, flash attention) are not
+# measured here: `lorarl bench gpu` reports the gap of a GPU run.
+PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05, "nf4": 0.1}
+
+
+def base_precision(recipe, device_type: str) -> str:
+    """The precision ``recipe.model`` runs in on ``device_type``: ``nf4``, or its dtype (``auto``: NF4 and bf16 on
+    CUDA, fp32 without quantization on CPU). A key of :data:`PARITY_TOLERANCE`."""
+    m, cuda = recipe.model, device_type == "cuda"
+    quant = ("nf4" if cuda else "none") if m.quantization == "auto" else m.quantization
+    dtype = ("bfloat16" if cuda else "float32") if m.dtype == "auto" else m.dtype
+    return "nf4" if quant == "nf4" else dtype
+
+
+def parity_tolerance(recipe, device_type: str) -> float:
+    """``health.parity_tolerance``, or when null the :data:`PARITY_TOLERANCE` of :func:`base_precision`."""
+    if recipe.health.parity_tolerance is not None:
+        return recipe.health.parity_tolerance
+    return PARITY_TOLERANCE[base_precision(recipe, device_type)]
+
+
+def graph_fallback_warning(row: dict) -> str | None:
+    """A warning when the fast engine could not capture its decode step as a CUDA graph and decoded eagerly (the
+    same tokens, slower): from the ``rollout/graph_capture_failures`` / ``rollout/eager_fallbacks`` counters the run
+    loop logs (:func:`lorarl.rollout.fast.engine_metrics`)."""
+    failures, eager = row.get("rollout/graph_capture_failures") or 0, row.get("rollout/eager_fallbacks") or 0
+    if not failures and not eager:
+        return None
+    reason = row.get("rollout/graph_capture_error")
+    return (
+        f"CUDA graphs: {failures} capture(s) failed, {eager} decode batch(es) ran eagerly (same tokens, slower)"
+        + (f"; last error: {reason}" if reason else "")
+        + ". Run `lorarl bench rollout` to see which shapes fail, or set generation.cuda_graphs: false"
+    )
 
 
 def parity_due(every: int, step: int) -> bool:
@@ -60,7 +103,7 @@ def parity_metrics(shared, rollout, role: str, temperature: float, rows: int) ->
     sub = rollout.select(slice(0, min(rows, len(rollout))))
     with shared.role(role, train=True):
         lp, _ = completion_logprobs(shared, sub, temperature)
-    gap = logprob_gap(sub.sampler_logprobs.to(lp.device), lp, sub.completion_mask.to(lp.device))
+    gap = logprob_gap(sub.sampler_logprobs.to(lp.device), lp, sub.loss_mask.to(lp.device))  # model tokens
     return {
         "sampling/sampling_logp_difference/mean": gap["mean_abs"],
         "sampling/sampling_logp_difference/max": gap["max_abs"],
@@ -77,8 +120,9 @@ def parity_failure(mean_abs: float, max_abs: float, tolerance: float) -> str | N
         f"computes differ by {mean_abs:.4f} nats per token on average (max {max_abs:.3f}; health.parity_tolerance="
         f"{tolerance:g}). The update would optimise a distribution that did not generate the data. Likely causes: "
         "the generator runs a stale or different adapter; a logits processor the trainer does not apply; a kernel "
-        "or precision difference between decoding and the training forward (compare generation.engine: hf). Set "
-        "health.parity_every: 0 to run anyway."
+        "or precision difference between decoding and the training forward (compare generation.engine: hf). To "
+        "train through a precision difference, set grpo.tis.mode (ppo.tis.mode): always (truncated importance "
+        "sampling); health.parity_every: 0 runs anyway without a check."
     )
 
 
@@ -104,7 +148,7 @@ class HealthMonitor:
     def from_recipe(cls, recipe, params: list[Tensor]) -> HealthMonitor:
         h = recipe.health
         return cls(
-            parity_tolerance=h.parity_tolerance,
+            parity_tolerance=parity_tolerance(recipe, params[0].device.type if params else "cpu"),
             learning_after=h.learning_after,
             no_signal_steps=h.no_signal_steps,
             no_signal_fraction=h.no_signal_fraction,
@@ -115,11 +159,21 @@ class HealthMonitor:
 
     def check(self, step: int, row: dict, params: list[Tensor]) -> list[str]:
         """Check one step's metrics; add ``health/...`` values to ``row``; return new warnings (each said once)."""
+        corrected = None
         if PARITY_MEAN in row:
             msg = parity_failure(row[PARITY_MEAN], row[PARITY_MAX], self.parity_tolerance)
-            if msg:
+            if msg and not row.get(TIS_ACTIVE):
                 raise LorarlError(f"step {step}: {msg}")
+            if msg:  # the algorithm trains through it with truncated importance sampling (tis.mode auto / always)
+                corrected = (
+                    f"parity corrected: the sampler's log-probs differ from the trainer's by {row[PARITY_MEAN]:.4f} "
+                    f"nats per token (tolerance {self.parity_tolerance:g}); the update is weighted by truncated "
+                    "importance sampling (sampling/importance_sampling_ratio/*). If the gap keeps growing, look for a "
+                    "stale adapter or a logits processor the trainer does not apply"
+                )
         warnings = [w for w in (self._learning(step, row, params), self._no_signal(row), self._drift(row)) if w]
+        warnings += [corrected] if corrected else []
+        warnings += [w for w in (graph_fallback_warning(row),) if w]
         warnings += self._hacking(step, row)
         fresh = [w for w in warnings if w.split(":")[0] not in self.warned]
         self.warned |= {w.split(":")[0] for w in fresh}

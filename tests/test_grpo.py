@@ -324,6 +324,8 @@ def _first_ratios(monkeypatch, module) -> list:
         return real(logprobs, old, adv, mask, *args, **kwargs)
 
     monkeypatch.setattr(module, "ppo_clip_loss", spy)
+    if hasattr(module, "POLICY_LOSSES"):  # GRPO picks its policy loss from a registry by importance-sampling level
+        monkeypatch.setitem(module.POLICY_LOSSES, "token", spy)
     return seen
 
 

@@ -6,17 +6,20 @@ Read :meth:`GRPO.step` top to bottom; its steps are numbered (the run loop, :mod
 1. a batch of prompts (derived from ``(seed, step)``, so a resumed run sees the same data);
 2. a rollout: ``group_size`` completions per prompt in one batched ``generate``, masks from generation, old
    log-probs (only when ``num_iterations > 1``) and reference log-probs (only when ``kl_coef > 0``);
-3. rewards: the recipe's reward functions, each failure isolated and counted;
+3. rewards: the recipe's reward functions, each failure isolated and counted; with DAPO's dynamic sampling
+   (``grpo.dynamic_sampling``) groups without a reward spread are dropped and steps 2-3 repeat on more prompts;
 4. group-relative advantages (DeepSeekMath; std scaling group | batch | none = Dr. GRPO);
-5. the loss: PPO-clip per token with ``eps_low`` / ``eps_high`` (DAPO clip-higher), plus ``kl_coef`` * k3 to the
-   reference (or DeepSeek-V3.2's importance-weighted k3), minus ``entropy_coef`` * entropy, reduced once
-   (GRPO / DAPO / Dr. GRPO);
+5. the loss: PPO-clip per token with ``eps_low`` / ``eps_high`` (DAPO clip-higher), or per sequence on GSPO's
+   geometric-mean ratio (``importance_sampling_level: sequence``), weighted by truncated importance sampling when the
+   sampler's log-probs differ from the trainer's (``grpo.tis``), plus ``kl_coef`` * k3 to the reference (or
+   DeepSeek-V3.2's importance-weighted k3), minus ``entropy_coef`` * entropy, reduced once (GRPO / DAPO / Dr. GRPO);
 6. ``num_iterations`` optimizer steps on the rollout, each over micro-batches with gradient accumulation;
 7. iterative GRPO: the reference adapter is refreshed to the policy every ``ref_refresh_every`` steps;
 8. metrics; at the end (:meth:`GRPO.finish`) the policy adapter in PEFT format.
 
 References: Shao et al. 2024 (DeepSeekMath, GRPO, Eqs. 3-4 and iterative GRPO, Alg. 1); Yu et al. 2025 (DAPO);
-Liu et al. 2025 (Dr. GRPO); DeepSeek-AI 2025 (DeepSeek-V3.2, unbiased KL estimate).
+Liu et al. 2025 (Dr. GRPO); DeepSeek-AI 2025 (DeepSeek-V3.2, unbiased KL estimate); Zheng et al. 2025 (GSPO);
+Yao et al. 2025 (truncated importance sampling for a mismatched sampler). docs/grpo_options.md.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorarl.agents.step import make_step_rollout
 from lorarl.algos.base import (
     batch_indices,
     evaluate_policy,
@@ -36,17 +40,34 @@ from lorarl.algos.base import (
     tail_mean,
     trained_role,
 )
+from lorarl.algos.grpo_sampling import (
+    dynamic_sampling_metrics,
+    group_rows,
+    join_rollouts,
+    round_prompts,
+    select_scores,
+)
+from lorarl.algos.tis import tis_engages, tis_metrics
 from lorarl.config import GRPOConfig, Recipe
 from lorarl.core.advantages import group_advantages
-from lorarl.core.losses import batch_totals, kl_k3, kl_k3_importance_weighted, ppo_clip_loss, reduce_loss
+from lorarl.core.dynamic_sampling import GroupTally, informative_groups, take_groups
+from lorarl.core.losses import (
+    batch_totals,
+    gspo_clip_loss,
+    kl_k3,
+    kl_k3_importance_weighted,
+    ppo_clip_loss,
+    reduce_loss,
+    tis_weights,
+)
 from lorarl.core.schedules import advance
 from lorarl.core.stats import nan_std
-from lorarl.health import parity_due, parity_metrics
+from lorarl.health import base_precision, parity_due, parity_metrics, parity_tolerance
 from lorarl.metrics import PLOT_PANELS
 from lorarl.model import REFERENCE, SharedBase, completion_logprobs
 from lorarl.phases import phase
-from lorarl.rewards.source import reward_source
-from lorarl.rollout import Rollout, generate_rollout
+from lorarl.rewards.source import SourceScores, reward_source
+from lorarl.rollout import Rollout
 from lorarl.tasks import accuracy
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step_halving
 
@@ -91,6 +112,66 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> bool:
     return False
 
 
+# the policy-gradient term per importance-sampling level (grpo.importance_sampling_level), chosen once per loss
+POLICY_LOSSES = {"token": ppo_clip_loss, "sequence": gspo_clip_loss}
+SEQUENCE_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean")  # at sequence level: means over sequences (TRL)
+
+
+def grpo_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+    *,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    sampler_logprobs: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+    """Step 5's per-token GRPO loss ``[B, T]`` (before the one reduction) from log-probs, and its stats:
+
+    ``l_t = -w_t min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef * KL_t - entropy_coef * H_t``,
+
+    ``rho`` the token ratio ``pi_theta / pi_old`` (``importance_sampling_level: token``,
+    :func:`~lorarl.core.losses.ppo_clip_loss`) or GSPO's sequence ratio ``exp(mean_t log(pi_theta / pi_old))``
+    (``sequence``, :func:`~lorarl.core.losses.gspo_clip_loss`); ``w_t = min(exp(old_t - sampler_t), tis_cap)``
+    when ``sampler_logprobs`` is given (TIS, :func:`~lorarl.core.losses.tis_weights`), else 1; ``KL_t`` the k3
+    estimate (or k3 weighted by the token ratio, ``kl.estimator: k3_unbiased``) when ``ref_logprobs`` is given;
+    ``H_t`` the entropy, used when ``entropy_coef > 0``. As TRL's ``_compute_loss``, the TIS weight multiplies the
+    policy-gradient term only.
+
+    Shapes: ``logprobs`` (with gradient), ``old_logprobs``, ``mask``, ``entropy``, ``ref_logprobs``,
+    ``sampler_logprobs`` ``[B, T]``; ``advantages`` ``[B]``. Stats: ``{name: (sum, count)}`` over tokens (over
+    sequences for the ratio stats at sequence level).
+    """
+    m = mask.bool()
+    n_tok, n_seq = float(m.sum()), float(m.any(dim=-1).sum())
+    per_token, pstats = POLICY_LOSSES[cfg.importance_sampling_level](
+        logprobs, old_logprobs, advantages, mask, cfg.clip_eps_low, cfg.clip_eps_high
+    )  # [B, T]
+    per_seq = cfg.importance_sampling_level == "sequence"
+    unit = {k: n_seq if per_seq and k in SEQUENCE_STATS else n_tok for k in pstats}  # what each stat is a mean over
+    stats = {k: (float(v) * unit[k], unit[k]) for k, v in pstats.items()}
+    if sampler_logprobs is not None:
+        w = tis_weights(old_logprobs, sampler_logprobs, mask, tis_cap)  # [B, T]
+        per_token = per_token * w
+        stats["tis_weight"] = (float(w[m].sum()), n_tok)
+        stats["tis_truncated"] = (float((w[m] >= tis_cap).sum()), n_tok)
+    if entropy is not None:
+        stats["entropy"] = (float(entropy.detach()[m].sum()), n_tok)
+    if ref_logprobs is not None:
+        if cfg.kl.estimator == "k3_unbiased":
+            kl = kl_k3_importance_weighted(logprobs, ref_logprobs, old_logprobs)  # [B, T] DeepSeek-V3.2
+        else:
+            kl = kl_k3(logprobs, ref_logprobs)  # [B, T]
+        per_token = per_token + cfg.kl.coef * kl
+        stats["kl"] = (float(kl.detach()[m].sum()), n_tok)
+    if cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy
+    return per_token, stats
+
+
 def grpo_loss(
     rows: torch.Tensor,
     *,
@@ -104,38 +185,40 @@ def grpo_loss(
     total_tokens: int,
     max_len: int,
     use_reference: bool,
+    use_tis: bool = False,
+    tis_seen: list | None = None,
 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
-    """Step 5: a micro-batch's share of the GRPO loss (Shao et al. 2024, Eq. 3, as a loss to minimise):
-
-    ``l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A) + kl_coef * KL_t - entropy_coef * H_t``,
-    ``rho_t = pi_theta / pi_old``, ``KL_t`` the k3 estimate (or k3 weighted by ``pi_theta / pi_old``), reduced by
-    ``cfg.loss_reduction`` with the WHOLE batch's ``total_*`` so the micro-batch losses sum to the batch loss.
+    """Step 5: a micro-batch's share of the GRPO loss (Shao et al. 2024, Eq. 3, as a loss to minimise): the
+    per-token loss of :func:`grpo_token_loss`, reduced by ``cfg.loss_reduction`` with the WHOLE batch's
+    ``total_*`` so the micro-batch losses sum to the batch loss.
 
     ``rows``: the micro-batch, ``B`` row indices into ``rollout`` (``N`` rows); ``advantages`` ``[N]``;
     ``loss_mask`` ``[N, T]``. Without recorded
     ``old_logprobs`` (``num_iterations == 1``) the old policy IS the current one: its detached log-probs are used
-    (ratio 1, the gradient is the policy gradient). Returns ``(loss, {stat: (sum, count)})``.
+    (ratio 1, the gradient is the policy gradient). ``use_tis``: weight the policy-gradient term by the truncated
+    ratio of the trainer's old log-probs to the sampler's recorded ones (``rollout.sampler_logprobs``,
+    ``cfg.tis.cap``); the weights of the mask tokens are appended to ``tis_seen`` when given (for min / max).
+    Returns ``(loss, {stat: (sum, count)})``.
     """
     mb = rollout.select(rows)
     mask = loss_mask[rows].to(shared.device)  # [B, T]
     with shared.role(POLICY, train=True):
         logprobs, ent = completion_logprobs(shared, mb, temperature, with_entropy=True)  # [B, T] each
     old = mb.old_logprobs.to(shared.device) if mb.old_logprobs is not None else logprobs.detach()  # [B, T]
-    adv = advantages[rows].to(shared.device)  # [B]
-    per_token, pstats = ppo_clip_loss(logprobs, old, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high)  # [B, T]
-    n_tok = float(mask.sum())
-    stats = {k: (float(v) * n_tok, n_tok) for k, v in pstats.items()}
-    stats["entropy"] = (float(ent.detach()[mask].sum()), n_tok)
-    if use_reference:
-        ref = mb.ref_logprobs.to(shared.device)  # [B, T]
-        if cfg.kl.estimator == "k3_unbiased":
-            kl = kl_k3_importance_weighted(logprobs, ref, old)  # [B, T] DeepSeek-V3.2
-        else:
-            kl = kl_k3(logprobs, ref)  # [B, T]
-        per_token = per_token + cfg.kl.coef * kl
-        stats["kl"] = (float(kl.detach()[mask].sum()), n_tok)
-    if cfg.entropy_coef > 0:
-        per_token = per_token - cfg.entropy_coef * ent
+    sampler = mb.sampler_logprobs.to(shared.device) if use_tis else None  # [B, T]
+    per_token, stats = grpo_token_loss(
+        logprobs,
+        old,
+        advantages[rows].to(shared.device),
+        mask,
+        cfg,
+        entropy=ent,
+        ref_logprobs=mb.ref_logprobs.to(shared.device) if use_reference else None,
+        sampler_logprobs=sampler,
+        tis_cap=cfg.tis.cap,
+    )
+    if tis_seen is not None and sampler is not None:
+        tis_seen.append(tis_weights(old, sampler, mask, cfg.tis.cap)[mask.bool()].cpu())
     loss = reduce_loss(
         per_token, mask, cfg.loss_reduction, total_sequences=total_sequences, total_tokens=total_tokens, max_len=max_len
     )
@@ -159,6 +242,8 @@ class GRPO:
         self.outputs, self.final_eval = [POLICY], False
         self.planned_mbs = planned_micro_batch(recipe, shared.device.type)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
+        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts)
+        self.agent_metrics: dict = {}  # turns, tool calls, ... of the last rollout (multi-turn only)
         self.source = reward_source(
             recipe, shared, micro_batch_rows(recipe.eval.batch_size, tcfg.prompts_per_step * cfg.group_size)
         )
@@ -168,11 +253,71 @@ class GRPO:
         self.schedulers = {POLICY: self.policy.scheduler}
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
         self.micro_batch_cap: int | None = None  # lowered for good after an out-of-memory halving
+        self.parity_tolerance = parity_tolerance(recipe, shared.device.type)
+        self.precision = base_precision(recipe, shared.device.type)
+        self.tis_active = cfg.tis.mode == "always"  # auto: switched on by the first parity check above tolerance
+        self.drawn_rewards: list[torch.Tensor] = []  # dynamic sampling: the rewards of every round of the step
 
     def batch(self, step: int) -> GRPOBatch:
         """1. A batch of prompts, derived from ``(seed, step)``."""
         tcfg = self.recipe.train
         return GRPOBatch(step, batch_indices(len(self.prompts), tcfg.prompts_per_step, tcfg.seed, step))
+
+    def sample_round(self, prompt_index: list[int], step: int, record_sampler: bool) -> tuple[Rollout, SourceScores]:
+        """Steps 2-3 on the prompts ``prompt_index``: the rollout and its rewards.
+
+        2. G completions per prompt, one generate call; old / reference log-probs when needed.
+        3. Rewards: rule functions (each once on the batch; failures isolated as NaN and counted) and/or the frozen
+           reward adapter's score at each response's last token.
+        """
+        from tqdm.auto import tqdm
+
+        cfg = self.recipe.grpo
+        sampled = self.rollout_fn(  # single-turn, or multi-turn with tools (lorarl.agents.step), chosen at set-up
+            prompt_index,
+            group_size=cfg.group_size,
+            role=POLICY,
+            record_old=cfg.num_iterations > 1,
+            reference=self.reference,
+            record_sampler=record_sampler,
+        )
+        rollout, self.agent_metrics = sampled.rollout, sampled.metrics
+        scored = self.source.score_rollout(self.prompts, rollout)
+        scored.total = sampled.total_reward(scored.total)  # + the environment's get_reward(), when it has one
+        if scored.rules is not None:
+            for name, err in scored.rules.failures.items():
+                tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
+            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
+        return rollout, scored
+
+    def fill_groups(
+        self, batch: GRPOBatch, rollout: Rollout, scored: SourceScores, record_sampler: bool
+    ) -> tuple[Rollout, SourceScores, GroupTally]:
+        """DAPO's dynamic sampling (``grpo.dynamic_sampling``): keep the groups of the first round whose valid rewards
+        differ; while fewer than ``train.prompts_per_step`` are kept and ``max_rounds`` allows, sample another round
+        of prompts derived from ``(seed, step, round)`` and keep its informative groups, first come first kept.
+        Returns the kept rows as one rollout with their scores (the first round's when none was kept: the step then
+        trains on nothing) and the counts."""
+        tcfg, ds, G = self.recipe.train, self.recipe.grpo.dynamic_sampling, self.recipe.grpo.group_size
+        need, tally = tcfg.prompts_per_step, GroupTally()
+        parts: list[tuple[Rollout, SourceScores, list[int]]] = []
+        drawn, first = set(batch.prompt_index), (rollout, scored)
+        self.drawn_rewards = [scored.total]
+        for round_ in range(ds.max_rounds):
+            if round_ > 0:
+                index = round_prompts(len(self.prompts), need, tcfg.seed, batch.step, round_, drawn)
+                drawn |= set(index)
+                rollout, scored = self.sample_round(index, batch.step, record_sampler)
+                self.drawn_rewards.append(scored.total)
+            taken = take_groups(informative_groups(scored.total, G), need, tally)
+            if taken:
+                parts.append((rollout, scored, group_rows(taken, G)))
+            if tally.kept >= need:
+                break
+        if not parts:
+            return *first, tally
+        joined = join_rollouts([r.select(rows) for r, _, rows in parts], self.shared.pad_id)
+        return joined, select_scores([sc for _, sc, _ in parts], [rows for _, _, rows in parts]), tally
 
     def step(self, batch: GRPOBatch) -> dict:
         """One GRPO step on ``batch``; returns its metrics."""
@@ -181,44 +326,38 @@ class GRPO:
         shared, cfg, gen, tcfg = self.shared, self.recipe.grpo, self.recipe.generation, self.recipe.train
         G, step = cfg.group_size, batch.step
 
-        # 2. Rollout: G completions per prompt, one generate call; old / reference log-probs when needed ------
-        rollout = generate_rollout(
-            shared,
-            [self.prompts.token_ids[i] for i in batch.prompt_index],
-            gen,
-            group_size=G,
-            role=POLICY,
-            record_old=cfg.num_iterations > 1,
-            reference=self.reference,
-            prompt_index=batch.prompt_index,
-            record_sampler=parity_due(self.recipe.health.parity_every, step),
-        )
+        # 2-3. Rollout and rewards (dynamic sampling: more rounds until enough groups have a reward spread) ----
+        parity_step = parity_due(self.recipe.health.parity_every, step)
+        record_sampler = parity_step or self.tis_active  # TIS needs the sampler's log-probs of every row
+        rollout, scored = self.sample_round(batch.prompt_index, step, record_sampler)
         health = {}
-        if rollout.sampler_logprobs is not None:  # generator / trainer parity (lorarl.health)
+        if parity_step:  # generator / trainer parity (lorarl.health); auto TIS engages above the tolerance
             health = parity_metrics(shared, rollout, POLICY, gen.temperature, self.recipe.health.parity_rows)
-
-        # 3. Rewards: rule functions (each once on the batch; failures isolated as NaN and counted) and/or the
-        #    frozen reward adapter's score at each response's last token -------------------------------------
-        scored = self.source.score_rollout(self.prompts, rollout)
-        if scored.rules is not None:
-            for name, err in scored.rules.failures.items():
-                tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
-            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
+            health["health/parity_tolerance"] = self.parity_tolerance
+            self.tis_active = self.tis_active or tis_engages(
+                cfg.tis.mode, health, self.parity_tolerance, self.precision, step
+            )
+        tally = None
+        if cfg.dynamic_sampling.enabled:
+            rollout, scored, tally = self.fill_groups(batch, rollout, scored, record_sampler)
 
         # 4. Group-relative advantages [N] (NaN rewards left out of their group's statistics) ------------------
         adv = group_advantages(scored.total, G, cfg.std_scaling, unbiased_std=cfg.unbiased_std)
         advantages = adv.advantages  # [N]
 
         # 5. The loss on a micro-batch, as its share of the full-batch loss -----------------------------------
-        loss_mask = rollout.completion_mask.clone()  # [N, T]
+        loss_mask = rollout.loss_mask.clone()  # [N, T] the model's own tokens (tool tokens are context)
         if cfg.mask_truncated:
             loss_mask &= ~rollout.truncated[:, None]  # DAPO overlong filtering: no loss on truncated rows
+        if tally is not None and tally.kept == 0:
+            loss_mask[:] = False  # dynamic sampling kept no group: nothing to train on this step
         total_sequences, total_tokens = batch_totals(loss_mask)  # rows without a loss token do not count
         # Rows whose loss is 0 with a 0 gradient need no forward pass: zero advantage and no KL / entropy
         # term. They still count in the normaliser (total_sequences, total_tokens), so the update is exact.
         needs_all_rows = cfg.kl.coef > 0 or cfg.entropy_coef > 0
         active = loss_mask.any(dim=1) & (needs_all_rows | (advantages != 0))
         rows = active.nonzero().squeeze(1)  # [n_active]
+        tis_seen: list[torch.Tensor] = []  # the TIS weights of the loss tokens (sampling/importance_sampling_ratio/*)
         loss_fn = functools.partial(
             grpo_loss,
             shared=shared,
@@ -231,6 +370,8 @@ class GRPO:
             total_tokens=total_tokens,
             max_len=gen.max_new_tokens,
             use_reference=self.reference is not None,
+            use_tis=self.tis_active,
+            tis_seen=tis_seen,
         )
 
         # 6. num_iterations optimizer steps, each over micro-batches with gradient accumulation ---------------
@@ -240,6 +381,7 @@ class GRPO:
         # there, and must see the same adapter and mode (dropout) as the forward did
         with phase("training"), shared.role(POLICY, train=True):
             for _ in range(cfg.num_iterations if len(rows) else 0):  # no rows: nothing to learn (all zero-std)
+                tis_seen.clear()  # one iteration's weights (the old and sampler log-probs are fixed across them)
                 # a CUDA out-of-memory in a micro-batch halves the micro-batch and redoes the step
                 result, mbs = optimizer_step_halving(
                     self.policy.params,
@@ -248,6 +390,7 @@ class GRPO:
                     min(mbs, self.micro_batch_cap or mbs),
                     loss_fn,
                     max_grad_norm=tcfg.max_grad_norm,
+                    scaler=self.policy.scaler,
                     on_halve=lambda a, b: tqdm.write(
                         f"step {step}: out of memory at micro-batch {a}, retrying with {b}"
                     ),
@@ -288,6 +431,9 @@ class GRPO:
             "skipped_updates": self.guard.skipped,
             "tokens": float(lengths.sum()),
             **health,
+            **self.agent_metrics,
+            **tis_metrics(self.tis_active, tis_seen, update_stats),
+            **(dynamic_sampling_metrics(tally, tcfg.prompts_per_step, self.drawn_rewards) if tally else {}),
         }
 
     def evaluate(self) -> dict:
@@ -306,12 +452,14 @@ class GRPO:
             "guard": self.guard.state_dict(),
             "rewards": self.source.state_dict(),
             "micro_batch_cap": self.micro_batch_cap,
+            "tis_active": self.tis_active,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.guard.load_state_dict(state["guard"])
         self.source.load_state_dict(state["rewards"])
         self.micro_batch_cap = state["micro_batch_cap"]
+        self.tis_active = bool(state.get("tis_active", self.tis_active))  # checkpoints before TIS lack the key
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy adapter in PEFT format at ``run_dir/policy``; the summary's GRPO fields."""

@@ -30,6 +30,7 @@ from lorarl.health import HealthMonitor
 from lorarl.metrics import MetricsLogger, check_trackers, plot_metrics
 from lorarl.model import SharedBase
 from lorarl.phases import phase, recording
+from lorarl.rollout.fast import engine_metrics
 
 
 @dataclass
@@ -206,6 +207,8 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     run_dir = start_run(recipe, out_dir)
     shared = SharedBase.load(recipe.model)
     algo = make_algorithm(recipe, shared)
+    if hasattr(algo, "source"):  # an LLM judge logs a sample of its prompts and answers to run_dir/judge.jsonl
+        algo.source.log_to(run_dir)
     last_step = min(algo.total_steps, max_steps) if max_steps else algo.total_steps
     algo.last_step = last_step  # the step that ends this run (an algorithm may evaluate there)
 
@@ -236,6 +239,7 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
             if "tokens" in row:
                 row["tokens_per_s"] = row.pop("tokens") / max(step_time, 1e-9)
             row["peak_mem_gb"] = peak_memory_gb(shared.device)
+            row.update(engine_metrics(shared))  # the fast engine's CUDA-graph captures / failures / eager fallbacks
             loop.step = step
             log_now = after_step(step, row, ctx)
             history.append(row)

@@ -19,7 +19,8 @@ phases of the seeds (and of CleanRL's ppo.py):
 2. **Reward** -- the reward adapter's score at the final token (the last non-pad token) and/or rule rewards; optional
    running normalisation and clipping; a fixed score for responses without EOS; then per-token rewards
    ``r_t = -beta (log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)) + score * 1[t = last]`` (Ziegler et al. 2019;
-   InstructGPT Eq. 2), with ``beta`` fixed or adaptive (Ziegler et al.'s proportional controller).
+   InstructGPT Eq. 2; the k1 estimate, or k2 / k3 by ``ppo.kl.estimator``), with ``beta`` fixed or adaptive
+   (Ziegler et al.'s proportional controller).
 3. **Advantages** -- values ``V(s_t)`` from the critic adapter + value head; GAE (Schulman et al. 2016) with
    ``gamma``, ``lam`` and the masks; value targets ``returns = advantages + values``; advantage whitening.
 4. **Optimisation** -- ``ppo.epochs`` x shuffled minibatches x micro-batches (gradient accumulation): the policy
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorarl.agents.step import make_step_rollout
 from lorarl.algos.base import (
     batch_indices,
     evaluate_policy,
@@ -51,17 +53,25 @@ from lorarl.algos.base import (
     trained_role,
 )
 from lorarl.algos.ppo_losses import CRITIC, POLICY, PPOBatch, critic_loss, load_ptx_texts, policy_loss
+from lorarl.algos.tis import tis_engages, tis_metrics
 from lorarl.config import Recipe
-from lorarl.core.advantages import AdaptiveKLController, FixedKLController, gae, kl_shaped_rewards
+from lorarl.core.advantages import (
+    KL_PENALTIES,
+    AdaptiveKLController,
+    FixedKLController,
+    gae,
+    gae_skipping,
+    kl_shaped_rewards,
+)
+from lorarl.core.losses import tis_weights
 from lorarl.core.ops import masked_mean, masked_whiten
 from lorarl.core.schedules import advance
 from lorarl.core.stats import RunningMoments, explained_variance, finite_mean
 from lorarl.errors import LorarlError
-from lorarl.health import parity_due, parity_metrics
+from lorarl.health import base_precision, parity_due, parity_metrics, parity_tolerance
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.phases import phase
 from lorarl.rewards.source import RewardSource, resolve_reward_adapter, reward_source
-from lorarl.rollout import generate_rollout
 from lorarl.tasks import accuracy
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step_halving
 
@@ -129,6 +139,8 @@ class PPO:
         cfg, tcfg = recipe.ppo, recipe.train
         self.source = setup_roles(shared, recipe)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
+        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts)
+        self.gae = gae_skipping if recipe.agent is not None else gae  # multi-turn: GAE skips the tool tokens
         self.ptx = load_ptx_texts(cfg.ptx.source, shared.tokenizer, recipe.source_path) if cfg.ptx.coef > 0 else None
         self.need_ref = cfg.kl.coef > 0  # beta = 0 and fixed: the reference never runs
         self.roles = self.outputs = [POLICY, CRITIC]
@@ -143,6 +155,7 @@ class PPO:
             if cfg.kl.adaptive
             else FixedKLController(cfg.kl.coef)
         )
+        self.kl_penalty = KL_PENALTIES[cfg.kl.estimator]  # the per-token KL estimate in the reward (ppo.kl.estimator)
         self.reward_stats = RunningMoments()
         self.mbs = micro_batch_rows(
             tcfg.micro_batch_size, min(N, cfg.minibatch_size), planned_micro_batch(recipe, shared.device.type)
@@ -150,6 +163,9 @@ class PPO:
         self.fwd_bs = micro_batch_rows(recipe.eval.batch_size, N)  # rows per no-grad forward (scores, values)
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
         self.total_steps = self.last_step = tcfg.steps
+        self.parity_tolerance = parity_tolerance(recipe, shared.device.type)
+        self.precision = base_precision(recipe, shared.device.type)
+        self.tis_active = cfg.tis.mode == "always"  # auto: switched on by the first parity check above tolerance
 
     def batch(self, step: int) -> PromptBatch:
         tcfg = self.recipe.train
@@ -163,21 +179,23 @@ class PPO:
         step = batch.step
 
         # ===== Phase 1. Rollout: sample with the policy; old and reference log-probs ===========================
-        rollout = generate_rollout(
-            shared,
-            [self.prompts.token_ids[i] for i in batch.prompt_index],
-            gen,
+        sampled = self.rollout_fn(  # single-turn, or multi-turn with tools (lorarl.agents.step), chosen at set-up
+            batch.prompt_index,
             role=POLICY,
             record_old=True,
             reference=REFERENCE if self.need_ref else None,  # the frozen init adapter, else adapters disabled
-            prompt_index=batch.prompt_index,
-            record_sampler=parity_due(self.recipe.health.parity_every, step),
+            record_sampler=parity_due(self.recipe.health.parity_every, step) or self.tis_active,
         )
+        rollout = sampled.rollout
         health = {}
-        if rollout.sampler_logprobs is not None:  # generator / trainer parity (lorarl.health)
+        if parity_due(self.recipe.health.parity_every, step):  # generator / trainer parity (lorarl.health)
             health = parity_metrics(shared, rollout, POLICY, gen.temperature, self.recipe.health.parity_rows)
+            health["health/parity_tolerance"] = self.parity_tolerance
+            self.tis_active = self.tis_active or tis_engages(
+                cfg.tis.mode, health, self.parity_tolerance, self.precision, step
+            )
         N, P = len(rollout), rollout.prompt_ids.shape[1]
-        mask = rollout.completion_mask  # [N, T] bool, through the first EOS
+        mask = rollout.loss_mask  # [N, T] bool: the model's tokens through the first EOS (tool tokens: context)
         old_logprobs = rollout.old_logprobs  # [N, T]
         ref_logprobs = rollout.ref_logprobs if self.need_ref else old_logprobs  # [N, T]
 
@@ -187,7 +205,7 @@ class PPO:
             for name, err in scored.rules.failures.items():
                 tqdm.write(f"step {step}: reward {name} failed ({err}); counted as 0")
             self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
-        score = torch.nan_to_num(scored.total, nan=0.0)  # [N]
+        score = torch.nan_to_num(sampled.total_reward(scored.total), nan=0.0)  # [N] (+ the environment's reward)
         raw_score = score.clone()  # [N] what eval reports as reward_mean
         if cfg.score.normalize:
             self.reward_stats.update(score)
@@ -197,23 +215,25 @@ class PPO:
         if cfg.score.no_eos_penalty is not None:
             score = torch.where(rollout.truncated, torch.full_like(score, cfg.score.no_eos_penalty), score)
         beta = self.kl_ctl.value
-        rewards, kl = kl_shaped_rewards(score, old_logprobs, ref_logprobs, mask, beta)  # [N, T] each
+        rewards, kl = kl_shaped_rewards(score, old_logprobs, ref_logprobs, mask, beta, self.kl_penalty)  # [N, T]
 
         # ===== Phase 3. Values from the critic; GAE; value targets; whitening ==================================
         with phase("scoring"):
             values = critic_values(shared, rollout.input_ids, rollout.attention_mask, P, self.fwd_bs)  # [N, T]
-        advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)  # [N, T] each
+        advantages, returns = self.gae(rewards, values, mask, cfg.gamma, cfg.lam)  # [N, T] each
         ev = explained_variance(values, returns, mask)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
 
         # ===== Phase 4. K epochs x shuffled minibatches x micro-batches ========================================
-        data = PPOBatch(rollout, mask, old_logprobs, advantages, values, returns)
+        sampler = rollout.sampler_logprobs if self.tis_active else None  # [N, T] TIS (ppo.tis)
+        data = PPOBatch(rollout, mask, old_logprobs, advantages, values, returns, sampler)
+        tis_w = tis_weights(old_logprobs, sampler, mask, cfg.tis.cap)[mask] if sampler is not None else None
         lr = self.policy.optimizer.param_groups[0]["lr"]  # what this step's updates use
         acc, updates, early_stop = self.optimise(data, step)
         advance(self.policy.scheduler)  # once per RL step, whatever the early stop did
         advance(self.critic.scheduler)
-        seq_kl = float((kl * mask).sum(dim=1).mean())  # mean over sequences of sum_t (log pi_old - log pi_ref)
+        seq_kl = float((kl * mask).sum(dim=1).mean())  # mean over sequences of sum_t kl_t (ppo.kl.estimator)
         self.kl_ctl.update(seq_kl, n_steps=N)
 
         # ===== Metrics ==========================================================================================
@@ -223,6 +243,7 @@ class PPO:
             "reward_std": float(raw_score.std()) if N > 1 else 0.0,
             "rm_score": float(scored.reward_model.mean()) if scored.reward_model is not None else None,
             **{f"rewards/{k}/mean": v for k, v in (scored.rules.means() if scored.rules else {}).items()},
+            **(scored.rules.extra if scored.rules else {}),  # rewards/judge/*, rewards/remote/* (docs/metrics.md)
             "score_used": float(score.mean()),
             "accuracy": accuracy(self.recipe, rollout.completions, self.prompts.columns(rollout.prompt_index)),
             "objective/kl": seq_kl if self.need_ref else None,
@@ -244,6 +265,12 @@ class PPO:
             "skipped_updates": self.guard.skipped,
             "tokens": float(lengths.sum()),
             **health,
+            **sampled.metrics,
+            **tis_metrics(
+                self.tis_active,
+                [tis_w] if tis_w is not None else [],
+                {"tis_truncated": float((tis_w >= cfg.tis.cap).float().mean()) if tis_w is not None else None},
+            ),
         }
 
     def evaluate(self) -> dict:
@@ -310,6 +337,7 @@ class PPO:
                 policy_fn,
                 max_grad_norm=self.recipe.train.max_grad_norm,
                 hold=(lambda st: st.get("approx_kl", 0.0) > target) if target is not None else None,
+                scaler=self.policy.scaler,
             )
         self.guard.check(res, step, "policy")
         return res
@@ -325,6 +353,7 @@ class PPO:
                 self.mbs,
                 critic_fn,
                 max_grad_norm=self.recipe.train.max_grad_norm,
+                scaler=self.critic.scaler,
             )
         self.guard.check(res, step, "critic")
         return res
@@ -345,6 +374,7 @@ class PPO:
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_stats": self.reward_stats.state_dict(),
             "micro_batch": self.mbs,
+            "tis_active": self.tis_active,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -353,6 +383,7 @@ class PPO:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.reward_stats.load_state_dict(state["reward_stats"])
         self.mbs = int(state["micro_batch"])
+        self.tis_active = bool(state.get("tis_active", self.tis_active))  # checkpoints before TIS lack the key
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy and critic adapters at ``run_dir/policy`` and ``run_dir/critic``; the summary's PPO fields."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lorarl.core.losses import ppo_clip_loss, reduce_loss, value_loss
+from lorarl.core.losses import ppo_clip_loss, reduce_loss, tis_weights, value_loss
 from lorarl.core.ops import masked_mean
 from lorarl.data import read_jsonl
 from lorarl.errors import DataError
@@ -48,6 +48,8 @@ class PPOBatch:
     advantages: ``[N, T]`` GAE advantages (whitened if asked).
     values: ``[N, T]`` V_old(s_t), the critic at rollout (the centre of value clipping).
     returns: ``[N, T]`` value targets, advantages + values (before whitening).
+    sampler_logprobs: ``[N, T]`` what the sampler drew each token with, when the loss corrects a sampler / trainer
+        mismatch (``ppo.tis``), else None.
     """
 
     rollout: Rollout
@@ -56,6 +58,7 @@ class PPOBatch:
     advantages: Tensor
     values: Tensor
     returns: Tensor
+    sampler_logprobs: Tensor | None = None
 
 
 # A micro-batch item: ("rl", rows of the batch, (minibatch sequences, minibatch tokens)) or ("ptx", text rows, None).
@@ -75,8 +78,9 @@ def ptx_loss(shared: SharedBase, ptx: list[list[int]], rows: list[int]) -> Tenso
 def policy_loss(shared: SharedBase, cfg, temperature: float, batch: PPOBatch, ptx, item: Item):
     """One micro-batch's share of the policy minibatch loss (a token mean over the minibatch):
 
-    ``sum_t [-min(ratio_t A_t, clip(ratio_t, 1 +- eps) A_t) - c_H H_t] / minibatch tokens``, or for a ``ptx`` item
-    ``ptx_coef * NLL``. Returns ``(loss, {stat: (sum, count)})`` as :func:`lorarl.update.optimizer_step` expects.
+    ``sum_t [-w_t min(ratio_t A_t, clip(ratio_t, 1 +- eps) A_t) - c_H H_t] / minibatch tokens``, or for a ``ptx``
+    item ``ptx_coef * NLL``; ``w_t = min(exp(old_t - sampler_t), ppo.tis.cap)`` when the batch carries the sampler's
+    log-probs (truncated importance sampling, :func:`~lorarl.core.losses.tis_weights`), else 1. Returns ``(loss, {stat: (sum, count)})`` as :func:`lorarl.update.optimizer_step` expects.
     """
     kind, rows, denom = item
     if kind == "ptx":
@@ -100,6 +104,9 @@ def policy_loss(shared: SharedBase, cfg, temperature: float, batch: PPOBatch, pt
         cfg.clip_eps,
         cfg.clip_eps,
     )  # [b, T]
+    if batch.sampler_logprobs is not None:
+        old = batch.old_logprobs[rows].to(shared.device)
+        per_token = per_token * tis_weights(old, batch.sampler_logprobs[rows].to(shared.device), m, cfg.tis.cap)
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * ent
     T = m.shape[1]

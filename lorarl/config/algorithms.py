@@ -1,5 +1,5 @@
 """The algorithms' own recipe sections (``grpo``, ``ppo`` with its sub-sections, ``reward_model``, ``sft``,
-``rejection_sampling``): one dataclass each, every field documented where it is declared, ranges checked in
+``rejection_sampling``, ``dpo``): one dataclass each, every field documented where it is declared, ranges checked in
 ``validate``. The shared sections and :class:`~lorarl.config.schema.Recipe` are in :mod:`lorarl.config.schema`.
 """
 
@@ -24,20 +24,61 @@ class GRPOKLConfig:
         check(self.ref_refresh_every >= 0, where, "grpo.kl.ref_refresh_every", "must be >= 0")
 
 
+# GRPO's clip range when grpo.clip_eps_low / clip_eps_high are not given, per importance-sampling level:
+# token: PPO's 0.2; sequence: the GSPO paper's (Zheng et al. 2025, v2 Sec. 5.1; TRL's paper index uses the same)
+DEFAULT_CLIP = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4)}
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal are dropped and more prompts are
+    sampled until the step has train.prompts_per_step informative groups, or max_rounds generation rounds ran."""
+
+    enabled: bool = False  # off: every group of the step's prompts is trained on, as GRPO
+    max_rounds: int = 3  # generation rounds per step at most, the first included; still short: train on what was kept
+
+    def validate(self, where: str) -> None:
+        check(self.max_rounds >= 1, where, "grpo.dynamic_sampling.max_rounds", "must be >= 1")
+
+
+@dataclass
+class TISConfig:
+    """Truncated importance sampling for a sampler whose log-probs differ from the trainer's (bf16 / NF4 kernels,
+    the fast engine): the policy-gradient loss of each token is weighted by min(exp(logp_old - logp_sampler), cap),
+    as verl's rollout_is: token and TRL's vllm_importance_sampling_correction (token_truncate) do."""
+
+    mode: Literal["auto", "always", "off"] = "auto"  # auto: from the first parity check above
+    #   health.parity_tolerance (at most 5x it, base in bf16 / fp16 / NF4) instead of stopping the run; always:
+    #   every step; off: never (a parity failure stops the run)
+    cap: float = 2.0  # C, the truncation (verl's rollout_is_threshold default 2; Yao et al. 2025 use 2)
+
+    def validate(self, where: str, prefix: str) -> None:
+        check(self.cap >= 1, where, f"{prefix}.tis.cap", "must be >= 1 (a cap below 1 down-weights matching tokens)")
+
+
 @dataclass
 class GRPOConfig:
-    """GRPO (DeepSeekMath) with DAPO / Dr. GRPO / DeepSeek-V3.2 options."""
+    """GRPO (DeepSeekMath) with DAPO / Dr. GRPO / DeepSeek-V3.2 / GSPO options."""
 
     group_size: int = 8  # completions per prompt (G)
     num_iterations: int = 1  # policy updates per rollout batch (mu); > 1 records old log-probs
-    clip_eps_low: float = 0.2  # PPO-clip lower range
-    clip_eps_high: float = 0.2  # upper range; > clip_eps_low is DAPO's clip-higher
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's geometric-mean ratio,
+    #   clipped per sequence (TRL's key); needs loss_reduction seq_mean_token_mean
+    clip_eps_low: float | None = None  # PPO-clip lower range; null: 0.2 (token level) or 3e-4 (sequence, GSPO paper)
+    clip_eps_high: float | None = None  # upper range; > clip_eps_low is DAPO's clip-higher; null: 0.2 or 4e-4
     loss_reduction: Literal["seq_mean_token_mean", "token_mean", "seq_sum_norm"] = "seq_mean_token_mean"  # GRPO/DAPO/Dr
     std_scaling: Literal["group", "batch", "none"] = "group"  # advantage scale; none = Dr. GRPO
     unbiased_std: bool = False  # False: population std
     mask_truncated: bool = False  # completions without EOS contribute no loss (DAPO overlong filtering)
     entropy_coef: float = 0.0  # entropy bonus
     kl: GRPOKLConfig = field(default_factory=GRPOKLConfig)  # the KL term to the reference
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # DAPO dynamic sampling
+    tis: TISConfig = field(default_factory=TISConfig)  # sampler / trainer mismatch correction
+
+    def __post_init__(self) -> None:
+        low, high = DEFAULT_CLIP.get(self.importance_sampling_level, DEFAULT_CLIP["token"])
+        self.clip_eps_low = low if self.clip_eps_low is None else self.clip_eps_low
+        self.clip_eps_high = high if self.clip_eps_high is None else self.clip_eps_high
 
     def validate(self, where: str) -> None:
         check(self.group_size >= 2, where, "grpo.group_size", "must be >= 2 (advantages are relative within a group)")
@@ -45,7 +86,17 @@ class GRPOConfig:
         check(self.clip_eps_low > 0, where, "grpo.clip_eps_low", "must be > 0")
         check(self.clip_eps_high > 0, where, "grpo.clip_eps_high", "must be > 0")
         check(self.entropy_coef >= 0, where, "grpo.entropy_coef", "must be >= 0")
+        check(
+            self.importance_sampling_level == "token" or self.loss_reduction == "seq_mean_token_mean",
+            where,
+            "grpo.importance_sampling_level",
+            f"sequence (GSPO) needs grpo.loss_reduction: seq_mean_token_mean, got {self.loss_reduction}: GSPO's "
+            "objective is a mean over sequences; token_mean / seq_sum_norm would sum the sequence loss once per token, "
+            "weighting each sequence by its length",
+        )
         self.kl.validate(where)
+        self.dynamic_sampling.validate(where)
+        self.tis.validate(where, "grpo")
 
 
 @dataclass
@@ -56,6 +107,9 @@ class PPOKLConfig:
     adaptive: bool = False  # Ziegler et al.'s proportional controller moves beta towards `target`
     target: float = 6.0  # target KL per sequence (nats) of the adaptive controller
     horizon: int = 10000  # the controller's horizon, in responses
+    # the per-token KL estimate in the reward (verl's algorithm.kl_penalty): k1 log pi - log ref (InstructGPT),
+    # k2 0.5 (log pi - log ref)^2 (verl's mse), k3 ref/pi - log(ref/pi) - 1 (verl's low_var_kl); all on pi_old's samples
+    estimator: Literal["k1", "k2", "k3"] = "k1"
 
     def validate(self, where: str) -> None:
         check(self.coef >= 0, where, "ppo.kl.coef", "must be >= 0")
@@ -131,6 +185,7 @@ class PPOConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)  # the critic
     score: ScoreConfig = field(default_factory=ScoreConfig)  # score normalisation / clipping / no-EOS penalty
     ptx: PtxConfig = field(default_factory=PtxConfig)  # the pretraining-loss term
+    tis: TISConfig = field(default_factory=TISConfig)  # sampler / trainer mismatch correction (as grpo.tis)
 
     def validate(self, where: str) -> None:
         check(self.epochs >= 1, where, "ppo.epochs", "must be >= 1")
@@ -147,6 +202,7 @@ class PPOConfig:
         )
         for sub in (self.kl, self.critic, self.score, self.ptx):
             sub.validate(where)
+        self.tis.validate(where, "ppo")
 
 
 @dataclass
@@ -197,6 +253,37 @@ class RejectionSamplingConfig:
         check(self.max_per_prompt >= 0, where, "rejection_sampling.max_per_prompt", "must be >= 0 (0: no limit)")
 
 
+@dataclass
+class DPOConfig:
+    """Direct preference optimization of the policy adapter on preference pairs (lorarl.algos.dpo); the reference
+    is the base with adapters off, or model.init_adapter frozen. Losses by TRL's names (lorarl.core.preference_losses)."""
+
+    loss_type: Literal["sigmoid", "hinge", "ipo", "simpo"] = "sigmoid"  # sigmoid = DPO; simpo: reference-free SimPO
+    beta: float = 0.1  # DPO's beta (IPO's tau; SimPO's beta, typically 2-2.5)
+    label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped, in [0, 0.5)
+    simpo_gamma: float = 0.5  # SimPO's target reward margin gamma (loss_type simpo)
+    precompute_ref_log_probs: bool = False  # reference log-probs of every training pair once, before step 1
+    epochs: int = 1  # passes over the pairs (train.steps may stop it first)
+    batch_size: int = 16  # pairs per optimizer step
+    max_length: int = 512  # prompt + longer response in tokens; longer pairs are skipped and counted
+    max_tokens_per_forward: int = 2048  # length-sorted forwards of at most this many padded tokens; 0 = one forward
+    task_source: str | None = None  # held-out prompts for the greedy task evaluation (e.g. arithmetic); null: none
+
+    def validate(self, where: str) -> None:
+        check(self.beta > 0, where, "dpo.beta", "must be > 0")
+        check(0 <= self.label_smoothing < 0.5, where, "dpo.label_smoothing", "must be in [0, 0.5)")
+        check(
+            self.label_smoothing == 0 or self.loss_type in ("sigmoid", "simpo"),
+            where,
+            "dpo.label_smoothing",
+            f"applies to loss_type sigmoid and simpo only, not {self.loss_type}: set it to 0",
+        )
+        check(self.epochs >= 1, where, "dpo.epochs", "must be >= 1")
+        check(self.batch_size >= 1, where, "dpo.batch_size", "must be >= 1")
+        check(self.max_length >= 2, where, "dpo.max_length", "must be >= 2")
+        check(self.max_tokens_per_forward >= 0, where, "dpo.max_tokens_per_forward", "must be >= 0")
+
+
 # The algorithm sections, and the shared sections each algorithm reads (others are refused in a recipe).
 ALGO_SECTIONS: dict[str, type] = {
     "grpo": GRPOConfig,
@@ -204,13 +291,15 @@ ALGO_SECTIONS: dict[str, type] = {
     "reward_model": RewardModelConfig,
     "sft": SFTConfig,
     "rejection_sampling": RejectionSamplingConfig,
+    "dpo": DPOConfig,
 }
 SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
 USES = {
-    "grpo": SHARED_SECTIONS,
-    "ppo": SHARED_SECTIONS,
+    "grpo": SHARED_SECTIONS + ("agent",),
+    "ppo": SHARED_SECTIONS + ("agent",),
     "reward_model": ("model", "lora", "data", "train", "eval", "health"),
-    "sft": SHARED_SECTIONS,  # reward and generation: the held-out evaluation scores and decodes like RL
+    "sft": SHARED_SECTIONS + ("agent",),  # reward, generation, agent: held-out evaluation decodes like RL
     "rejection_sampling": SHARED_SECTIONS,
+    "dpo": SHARED_SECTIONS,  # reward and generation: the held-out task evaluation (dpo.task_source)
 }
 TRAINS_ON_SAMPLES = ("grpo", "ppo")

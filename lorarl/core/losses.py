@@ -22,6 +22,8 @@ from lorarl.core.ops import masked_mean, masked_sum
 
 __all__ = [
     "ppo_clip_loss",
+    "gspo_clip_loss",
+    "tis_weights",
     "value_loss",
     "kl_k1",
     "kl_k2",
@@ -104,6 +106,87 @@ def ppo_clip_loss(
             "ratio_mean": masked_mean(r, m),
         }
     return loss, stats
+
+
+def gspo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token view of GSPO's sequence-level clipped surrogate (Zheng et al. 2025, "Group Sequence Policy
+    Optimization", Eqs. 5-7; TRL ``importance_sampling_level="sequence"``).
+
+    The importance ratio of sequence ``i`` is the geometric mean of its token ratios over its ``|y_i|`` loss tokens:
+    ``s_i = exp((1/|y_i|) sum_t m_it (logprobs_it - old_logprobs_it))``, and
+    ``loss_i = -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i)`` is clipped per sequence. The returned
+    ``[B, T]`` tensor holds ``loss_i`` on each of the row's mask tokens (0 elsewhere), so a token mean within the
+    row (``reduce_loss(..., "seq_mean_token_mean")``) gives ``(1/N) sum_i loss_i``, GSPO's objective, with the
+    gradient ``-(s_i A_i / |y_i|) sum_t grad logprobs_it`` where unclipped (the paper's Eq. 10).
+
+    Stats (detached 0-d tensors): ``clip_frac_low`` / ``clip_frac_high`` -- fraction of the rows with a mask token
+    whose ``s_i < 1 - eps_low`` with ``A_i < 0`` / ``s_i > 1 + eps_high`` with ``A_i > 0`` (TRL counts sequences
+    too); ``ratio_mean`` -- mean of ``s_i`` over those rows; ``approx_kl`` -- the token-level k3 of
+    ``KL(pi_old || pi_theta)``, as :func:`ppo_clip_loss` (how far the policy moved, whatever the ratio's level).
+
+    Shapes: ``logprobs``, ``old_logprobs``, ``mask`` ``[B, T]``; ``advantages`` ``[B]`` or ``[B, 1]`` (one per
+    sequence: a per-token advantage has no sequence-level ratio). Returns ``(loss [B, T], stats)``.
+
+    Example: token log-ratios ``[0.3, -0.1]`` (both in the mask) -> ``s = exp(0.1) = 1.10517``; ``A = 1``,
+    ``eps_high = 0.05`` -> clipped at ``1.05``: ``loss = [[-1.05, -1.05]]`` (zero gradient).
+    """
+    advantages = advantages.detach()
+    if advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages[:, 0]
+    if advantages.dim() != 1 or advantages.shape[0] != logprobs.shape[0]:
+        raise ValueError(
+            f"sequence-level ratios need one advantage per sequence [B], got shape {tuple(advantages.shape)}"
+        )
+    m = _bool(mask, logprobs)  # [B, T]
+    log_ratio = _zero_outside(logprobs - old_logprobs, m)  # [B, T]
+    n_tok = m.sum(dim=-1)  # [B]
+    seq_log_ratio = log_ratio.sum(dim=-1) / n_tok.clamp(min=1).to(logprobs.dtype)  # [B]
+    s = torch.exp(seq_log_ratio)  # [B]
+    adv = advantages.to(logprobs.dtype)  # [B]
+    loss_seq = -torch.minimum(s * adv, torch.clamp(s, 1.0 - eps_low, 1.0 + eps_high) * adv)  # [B]
+    loss = _zero_outside(torch.broadcast_to(loss_seq[:, None], logprobs.shape), m)  # [B, T]
+
+    with torch.no_grad():
+        rows = n_tok > 0  # [B]
+        r = s.detach()
+        lr_tok = log_ratio.detach()
+        stats = {
+            "clip_frac_low": masked_mean(((r < 1.0 - eps_low) & (adv < 0)).to(r.dtype), rows),
+            "clip_frac_high": masked_mean(((r > 1.0 + eps_high) & (adv > 0)).to(r.dtype), rows),
+            "approx_kl": masked_mean(torch.expm1(lr_tok) - lr_tok, m),
+            "ratio_mean": masked_mean(r, rows),
+        }
+    return loss, stats
+
+
+def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weights for a sampler that differs from the trainer (Yao et al. 2025, "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's ``rollout_is: token``, TRL's
+    ``vllm_importance_sampling_mode="token_truncate"`` with ``vllm_importance_sampling_clip_max``):
+
+    ``w_t = min(exp(old_logprobs_t - sampler_logprobs_t), cap)``,
+
+    ``old_logprobs`` the trainer's log-probs of the sampled tokens under the policy that sampled them,
+    ``sampler_logprobs`` what the sampler (another kernel, precision or engine) drew them with. Multiplying the
+    policy-gradient per-token loss by ``w`` makes the update's expectation over the sampler's tokens an expectation
+    over the trainer's policy, with the variance bounded by ``cap``. Detached (a weight, never differentiated);
+    1 outside the mask and where a log-prob is NaN (no correction, as TRL does).
+
+    Shapes: all ``[B, T]`` -> ``[B, T]``.
+
+    Example: ``old = [-1.0, -0.5]``, ``sampler = [-1.2, -2.0]``, ``cap = 2``: ``[exp(0.2), min(exp(1.5), 2)]``
+    ``= [1.22140, 2.0]``.
+    """
+    m = _bool(mask, old_logprobs)
+    diff = torch.nan_to_num(_zero_outside(old_logprobs.detach() - sampler_logprobs.detach(), m), nan=0.0)
+    return torch.clamp(torch.exp(diff), max=cap)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -207,6 +207,15 @@ def _grpo(h: HandOff, m: Mapping) -> None:
     )
     m.skip("grpo.mask_truncated", g.mask_truncated, "no OpenRLHF setting drops truncated completions from the loss")
     m.skip("grpo.kl.ref_refresh_every", g.kl.ref_refresh_every, "OpenRLHF's reference is fixed")
+    m.skip("grpo.importance_sampling_level", g.importance_sampling_level, "not mapped: OpenRLHF's token-level ratio")
+    for k in ("enabled", "max_rounds"):
+        m.skip(f"grpo.dynamic_sampling.{k}", getattr(g.dynamic_sampling, k), "not mapped: OpenRLHF's default, off")
+    _tis(m, g.tis, "grpo")
+
+
+def _tis(m: Mapping, tis, prefix: str) -> None:
+    m.skip(f"{prefix}.tis.mode", tis.mode, "not mapped: OpenRLHF's default, no sampler / trainer correction")
+    m.skip(f"{prefix}.tis.cap", tis.cap, "not mapped")
 
 
 def _ppo(h: HandOff, m: Mapping) -> None:
@@ -229,6 +238,7 @@ def _ppo(h: HandOff, m: Mapping) -> None:
         "ppo.whiten_advantages", p.whiten_advantages, "OpenRLHF always whitens GAE advantages over the batch's tokens"
     )
     m.skip("ppo.target_approx_kl", p.target_approx_kl, "OpenRLHF has no approx-KL early stop of the epochs")
+    _tis(m, p.tis, "ppo")
     _ppo_kl(h, m)
     _score(h, m)
     _critic(h, m)

@@ -206,6 +206,28 @@ def _grpo(h: HandOff, m: Mapping) -> None:
         g.kl.ref_refresh_every,
         "verl's reference stays the base" if g.kl.ref_refresh_every else "off: verl's reference stays the base",
     )
+    if g.importance_sampling_level == "sequence":
+        m.key(act + ".policy_loss.loss_mode", "gspo", "grpo.importance_sampling_level", "GSPO's sequence ratio")
+    else:
+        m.skip("grpo.importance_sampling_level", "token", "verl's default (vanilla) PPO loss is token-level, as lorarl")
+    why = "verl's main_ppo has no dynamic sampling (its DAPO recipe has algorithm.filter_groups)"
+    m.skip("grpo.dynamic_sampling.enabled", g.dynamic_sampling.enabled, why if g.dynamic_sampling.enabled else "off")
+    m.skip("grpo.dynamic_sampling.max_rounds", g.dynamic_sampling.max_rounds, why)
+    _tis(m, g.tis, "grpo")
+
+
+def _tis(m: Mapping, tis, prefix: str) -> None:
+    """grpo.tis / ppo.tis: verl's token-level truncated importance sampling (algorithm.rollout_correction)."""
+    if tis.mode == "always":
+        m.key("algorithm.rollout_correction.rollout_is", "token", f"{prefix}.tis.mode", "truncated IS, every token")
+        m.key("algorithm.rollout_correction.rollout_is_threshold", tis.cap, f"{prefix}.tis.cap")
+        m.key(A + ".rollout.calculate_log_probs", True, f"{prefix}.tis.mode", "the sampler's log-probs")
+        return
+    why = (
+        "verl has no parity-triggered switch (tis.mode: always sets rollout_is: token)" if tis.mode == "auto" else "off"
+    )
+    m.skip(f"{prefix}.tis.mode", tis.mode, why)
+    m.skip(f"{prefix}.tis.cap", tis.cap, why)
 
 
 def _std_ratio(g) -> str:
@@ -239,6 +261,7 @@ def _ppo(h: HandOff, m: Mapping) -> None:
     m.skip("ppo.score.no_eos_penalty", p.score.no_eos_penalty, "verl has no no-EOS replacement of the score")
     for k, v in (("coef", p.ptx.coef), ("source", p.ptx.source), ("batch_size", p.ptx.batch_size)):
         m.skip(f"ppo.ptx.{k}", v, "verl has no pretraining-loss term (PPO-ptx)")
+    _tis(m, p.tis, "ppo")
 
 
 def _ppo_kl(h: HandOff, m: Mapping) -> None:
