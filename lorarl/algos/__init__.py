@@ -12,6 +12,7 @@ ALGORITHMS = {
     "reward_model": "lorarl.algos.reward_model:RewardModel",
     "sft": "lorarl.algos.sft:SFT",
     "rejection_sampling": "lorarl.algos.rejection_sampling:RejectionSampling",
+    "dpo": "lorarl.algos.dpo:DPO",
 }
 
 

@@ -52,14 +52,18 @@ def gate_prompts(src: RunSource, recipe: Recipe, tok: Any, n: int, rows: list | 
         ids = [encode_prompt(t, tok, templated=not isinstance(r["prompt"], str)) for t, r in zip(texts, rows)]
         return PromptSet(rows=rows, texts=texts, token_ids=ids, source="given"), "prompts given by the caller"
 
-    size = max(n, recipe.data.eval_size)
+    from lorarl.evaluate import prompt_data
+
+    try:  # DPO: the task's held-out prompts (dpo.task_source), else the prompts of its preference pairs
+        data = prompt_data(recipe)
+    except LorarlError:
+        data = recipe.data
+    size = max(n, data.eval_size)
     try:
-        prompts = load_prompts(recipe.data, tok, "eval", size=size, recipe_path=src.recipe_path)
+        prompts = load_prompts(data, tok, "eval", size=size, recipe_path=src.recipe_path)
         where = "held-out split"
     except LorarlError:
-        prompts = load_prompts(
-            recipe.data, tok, "train", size=max(n, recipe.data.train_size), recipe_path=src.recipe_path
-        )
+        prompts = load_prompts(data, tok, "train", size=max(n, data.train_size), recipe_path=src.recipe_path)
         where = "training split (the recipe has no held-out split)"
     if src.recipe is None:
         where += " of the default recipe (no recipe.yaml beside the adapter)"

@@ -76,6 +76,11 @@ def stage_notes(algo: str, summary: dict) -> str:
             f"{summary.get('steps')} steps on {summary.get('examples')} examples ({number(summary.get('epochs'), 2)} "
             f"epochs), loss {number(summary.get('loss_first10'))} -> {number(summary.get('loss_last10'))}"
         )
+    if algo == "dpo":
+        return (
+            f"{summary.get('steps')} steps on {summary.get('train_pairs')} pairs, held-out implicit-reward accuracy "
+            f"{percent(summary.get('preference_accuracy'))}"
+        )
     if algo == "reward_model":
         return f"held-out pairwise accuracy {percent(summary.get('pairwise_accuracy'))}"
     if algo in ("grpo", "ppo"):

@@ -22,8 +22,8 @@ A pipeline recipe (``lorarl pipeline RECIPE --out DIR``) is a YAML mapping::
 **Wiring** (a stage's own setting -- in its recipe file, inline, or an override -- always wins):
 
 * ``model.init_adapter``: every stage starts from the adapter of the nearest earlier stage that trains a policy
-  (``sft``, ``grpo``, ``ppo``); an RL stage's reference is then that adapter, frozen; a rejection-sampling stage
-  samples with it. ``model.init_adapter: null`` in a stage starts it from the bare base.
+  (``sft``, ``grpo``, ``ppo``, ``dpo``); an RL or DPO stage's reference is then that adapter, frozen; a
+  rejection-sampling stage samples with it. ``model.init_adapter: null`` in a stage starts it from the bare base.
 * an ``sft`` stage right after a ``rejection_sampling`` stage trains on its kept set (``data.source``).
 * ``stage:NAME`` as ``model.init_adapter``, ``reward.adapter`` or ``data.source`` names an earlier stage's policy
   adapter, reward adapter or kept dataset.
@@ -45,7 +45,7 @@ from lorarl.config import Recipe, apply_overrides, recipe_from_dict, yaml_load
 from lorarl.config.algorithms import ALGO_SECTIONS, USES
 from lorarl.errors import LorarlError, RecipeError
 
-POLICY_ALGOS = ("sft", "grpo", "ppo")
+POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo")
 STAGE_KEYS = ("name", "recipe", "overrides")
 TOP_KEYS = ("defaults", "evaluation", "stages")
 EVAL_KEYS = ("n", "base", "recipe", "overrides")
@@ -267,6 +267,11 @@ def evaluation_recipe(raw: dict, where: Path, stages: list[Stage], overrides: li
         mapping, label = copy.deepcopy(policies[-1].raw), f"{where}: evaluation (stage {policies[-1].name}'s recipe)"
     extra = [str(o) for o in ev.get("overrides") or []] + [o for o in overrides if o.split("=", 1)[0] not in EVAL_KEYS]
     recipe = recipe_from_dict(mapping, label, extra, strict=False)
+    if recipe.algo == "dpo" and not recipe.dpo.task_source:
+        raise RecipeError(
+            f"{label}: a DPO recipe evaluates on held-out prompts only with dpo.task_source; set it, or "
+            "evaluation.recipe"
+        )
     # the base row is the pipeline's starting point: adapters off, or the first stage's own init adapter
     recipe.model.init_adapter = stages[0].recipe.model.init_adapter
     n = ev.get("n", recipe.eval.n)

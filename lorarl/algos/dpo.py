@@ -1,0 +1,347 @@
+"""DPO and its common variants on the shared base: the policy is a LoRA adapter, the reference is the base with
+adapters disabled (or ``model.init_adapter``, loaded a second time as a frozen ``reference`` adapter), so no second
+model is ever loaded. Losses by TRL's names (``dpo.loss_type``: ``sigmoid`` = DPO, ``hinge``, ``ipo``, ``simpo``),
+pure functions in :mod:`lorarl.core.preference_losses`, chosen once at set-up.
+
+Read :meth:`DPO.step` top to bottom (the run loop, :mod:`lorarl.algos.loop`, does checkpoints, resume, evaluation,
+logging and the plot):
+
+1. a batch of pairs: a per-epoch shuffle derived from ``(seed, epoch)``, so a resumed run sees the same data;
+2. the reference's summed response log-probs of the batch, without gradients -- or, with
+   ``dpo.precompute_ref_log_probs`` (TRL's name), of every training pair once before the first step, kept in the
+   checkpoint so a resumed run uses the very same numbers; none at all for the reference-free ``simpo``;
+3. one optimizer step over micro-batches of pairs: chosen and rejected responses of a micro-batch go through the
+   policy in one forward (their prompt once), the per-pair loss summed and divided by the batch's pairs (TRL's
+   mean; gradient accumulation is exact);
+4. metrics by TRL's names: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+   ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``grad_norm``, ``learning_rate``.
+
+:meth:`DPO.evaluate` (every ``eval.every`` steps and at the end): the held-out implicit-reward accuracy on
+``data.eval_source`` (``eval/rewards/accuracies``; the reference's log-probs of the held-out pairs are computed once),
+and with ``dpo.task_source`` the greedy held-out task evaluation RL uses (``eval/accuracy``, ``eval/reward``).
+``lorarl eval recipes/dpo.yaml --checkpoint RUN|base`` prints both (:meth:`DPO.evaluate_checkpoint`).
+
+Data (:mod:`lorarl.data.pairs`): TRL's preference format, prompts rendered as rollouts render them, responses ending
+with the end-of-turn EOS; unusable rows are left out and counted. The run stops after ``dpo.epochs`` passes or
+``train.steps`` steps, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lorarl.algos.base import batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
+from lorarl.algos.dpo_scoring import implicit_reward_metrics, pair_metrics, pair_tokens, response_logps, role_logps
+from lorarl.config import Recipe
+from lorarl.core.preference_losses import REFERENCE_FREE, PairLogps, preference_loss
+from lorarl.core.schedules import advance
+from lorarl.data.pairs import PairSet, load_pairs, skipped_summary
+from lorarl.errors import DataError
+from lorarl.model import REFERENCE, SharedBase
+from lorarl.phases import phase
+from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
+
+POLICY = "policy"
+
+PLOT_PANELS = (
+    ("DPO loss", ("loss", "eval/loss")),
+    ("implicit-reward accuracy", ("rewards/accuracies", "eval/rewards/accuracies")),
+    ("reward margin (chosen - rejected)", ("rewards/margins", "eval/rewards/margins")),
+    ("response log-probs (policy)", ("logps/chosen", "logps/rejected")),
+)
+
+
+@dataclass
+class PairBatch:
+    """Step ``step``'s pairs: rows ``rows`` of the training pairs."""
+
+    step: int
+    rows: list[int]
+
+
+def load_split(recipe: Recipe, shared: SharedBase, split: str, limit: int | None = None) -> PairSet | None:
+    """The recipe's tokenized pairs of ``split`` (None for ``eval`` without held-out pairs); what was left out is
+    reported on stderr in one line."""
+    pairs = load_pairs(
+        recipe.data,
+        shared.tokenizer,
+        split,
+        eos_ids=shared.eos_ids,
+        end_id=shared.end_of_turn_id,
+        max_length=recipe.dpo.max_length,
+        recipe_path=recipe.source_path,
+        limit=limit,
+    )
+    line = skipped_summary(pairs) if pairs is not None else None
+    if line:
+        print(f"data: {line}", file=sys.stderr)
+        for _, why in pairs.skipped[:3]:
+            print(f"data:   {why}", file=sys.stderr)
+    return pairs
+
+
+def setup_roles(shared: SharedBase, recipe: Recipe) -> str | None:
+    """The policy adapter (fresh, or a trainable copy of ``model.init_adapter``) and the reference role: the bare
+    base (``reference`` with no such adapter disables adapters), the init adapter loaded again frozen, or None for a
+    reference-free loss (nothing runs it)."""
+    init = recipe.model.init_adapter
+    if init:
+        shared.add_adapter(POLICY, init_from=init, trainable=True)
+    else:
+        shared.add_adapter(POLICY, recipe.lora)
+    if recipe.dpo.loss_type in REFERENCE_FREE:
+        return None
+    if init:
+        shared.add_adapter(REFERENCE, init_from=init, trainable=False)
+    return REFERENCE
+
+
+def dpo_loss(
+    shared: SharedBase,
+    pairs: PairSet,
+    rows: list[int],
+    ref: PairLogps | None,
+    loss_fn,
+    batch_pairs: int,
+    max_tokens: int,
+    part: slice,
+):
+    """Step 3: micro-batch ``rows[part]``'s share of the batch's mean preference loss under the active policy ->
+    ``(sum of its per-pair losses / batch_pairs, {stat: (sum, count)})``. ``ref`` holds the reference's log-probs of
+    ``rows`` in order (None: reference-free)."""
+    mb = rows[part]
+    b = len(mb)
+    logps, counts = response_logps(shared, pair_tokens(pairs, mb, shared.pad_id), max_tokens)  # [2b], [2b]
+    dev = logps.device
+    pair = PairLogps(
+        logps[:b],
+        logps[b:],
+        counts[:b],
+        counts[b:],
+        None if ref is None else ref.chosen[part].to(dev),
+        None if ref is None else ref.rejected[part].to(dev),
+    )
+    per_pair, chosen_rewards, rejected_rewards = loss_fn(pair)  # [b] each
+    with torch.no_grad():
+        stats = {
+            key: (value * b, float(b))
+            for key, value in implicit_reward_metrics(chosen_rewards, rejected_rewards).items()
+        }
+        stats["logps/chosen"] = (float(pair.chosen.sum()), float(b))
+        stats["logps/rejected"] = (float(pair.rejected.sum()), float(b))
+    return per_pair.sum() / batch_pairs, stats
+
+
+class DPO:
+    """The policy adapter trained on preference pairs against the reference: set-up, then :meth:`step` per batch."""
+
+    name = "dpo"
+    plot_panels = PLOT_PANELS
+
+    def __init__(self, recipe: Recipe, shared: SharedBase):
+        self.recipe, self.shared = recipe, shared
+        cfg, tcfg = recipe.dpo, recipe.train
+        self.reference = setup_roles(shared, recipe)
+        self.roles = self.outputs = [POLICY]
+        self.final_eval = True  # the summary reports the held-out implicit-reward (and task) accuracy
+        self.train_pairs = load_split(recipe, shared, "train")
+        self.eval_pairs = load_split(recipe, shared, "eval", limit=recipe.eval.n)
+        n, B = len(self.train_pairs), cfg.batch_size
+        self.total_steps = min(tcfg.steps, math.ceil(cfg.epochs * n / B))  # batches run on across epochs
+        self.last_step = self.total_steps  # the loop lowers it for --max-steps
+        self.policy = trained_role(shared, POLICY, tcfg, self.total_steps)
+        self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
+        self.mbs = micro_batch_rows(tcfg.micro_batch_size, B)
+        self.max_tokens = cfg.max_tokens_per_forward
+        self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
+        self.loss_fn = loss_of(recipe)
+        self.ref_cache: PairLogps | None = None  # dpo.precompute_ref_log_probs: every training pair's, once
+        self.eval_ref: PairLogps | None = None  # the held-out pairs' reference log-probs, once
+        self.eval_result: dict | None = None
+
+    def batch(self, step: int) -> PairBatch:
+        """1. Step ``step``'s pairs: consecutive slices of a per-epoch shuffle."""
+        return PairBatch(
+            step, batch_indices(len(self.train_pairs), self.recipe.dpo.batch_size, self.recipe.train.seed, step)
+        )
+
+    def reference_logps(self, rows: list[int]) -> PairLogps | None:
+        """2. The reference's log-probs of ``rows``: from the precomputed set, or computed now without gradients."""
+        if self.reference is None:
+            return None
+        with phase("reference"):
+            if self.recipe.dpo.precompute_ref_log_probs:
+                if self.ref_cache is None:
+                    every = list(range(len(self.train_pairs)))
+                    self.ref_cache = role_logps(
+                        self.shared, self.reference, self.train_pairs, every, self.mbs, self.max_tokens
+                    )
+                idx = torch.as_tensor(rows, dtype=torch.long)
+                c = self.ref_cache
+                return PairLogps(c.chosen[idx], c.rejected[idx], c.chosen_tokens[idx], c.rejected_tokens[idx])
+            return role_logps(self.shared, self.reference, self.train_pairs, rows, self.mbs, self.max_tokens)
+
+    def step(self, batch: PairBatch) -> dict:
+        """One optimizer step on ``batch``; returns its metrics."""
+        shared, tcfg, rows, step = self.shared, self.recipe.train, batch.rows, batch.step
+
+        # 2. Reference log-probs (none for a reference-free loss) -----------------------------------------------------
+        ref = self.reference_logps(rows)
+
+        # 3. One optimizer step: each micro-batch's per-pair losses / the batch's pairs -----------------------------
+        loss_fn = functools.partial(
+            dpo_loss, shared, self.train_pairs, rows, ref, self.loss_fn, len(rows), self.max_tokens
+        )
+        # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
+        with phase("training"), shared.role(POLICY, train=True, dropout=True):
+            result = optimizer_step(
+                self.policy.params,
+                self.policy.optimizer,
+                micro_batches(len(rows), self.mbs),
+                loss_fn,
+                max_grad_norm=tcfg.max_grad_norm,
+                scaler=self.policy.scaler,
+            )
+        advance(self.policy.scheduler)
+        self.guard.check(result, step)
+
+        # 4. Metrics (TRL's names) --------------------------------------------------------------------------------
+        tp = self.train_pairs
+        tokens = sum(2 * len(tp.prompt_ids[i]) + len(tp.chosen_ids[i]) + len(tp.rejected_ids[i]) for i in rows)
+        return {
+            "loss": result.loss,
+            **result.stats,
+            "grad_norm": result.grad_norm,
+            "learning_rate": result.lr,
+            "epoch": (step - 1) * self.recipe.dpo.batch_size / len(tp),
+            "skipped_updates": self.guard.skipped,
+            "tokens": float(tokens),
+        }
+
+    def evaluate(self) -> dict:
+        """Held-out implicit-reward accuracy (``eval/rewards/accuracies``, ...) and, with ``dpo.task_source``, the
+        greedy held-out task evaluation (``eval/accuracy``, ``eval/reward``, ...)."""
+        out: dict = {}
+        if self.eval_pairs is not None:
+            bs = self.recipe.eval.batch_size
+            if self.eval_ref is None:  # computed once: the reference never changes
+                self.eval_ref = held_out_reference(self.shared, self.reference, self.eval_pairs, bs, self.max_tokens)
+            self.eval_result = pair_metrics(
+                self.shared, self.eval_pairs, POLICY, self.eval_ref, self.loss_fn, bs, self.max_tokens
+            )
+            out.update({f"eval/{k}": v for k, v in self.eval_result.items() if isinstance(v, float)})
+        if self.recipe.dpo.task_source:
+            task = evaluate_policy(self)
+            out.update(task)
+            self.eval_result = {**(self.eval_result or {}), "task": task}
+        return out
+
+    def progress(self, row: dict) -> dict:
+        return {"loss": f"{row['loss']:.3f}", "acc": f"{row.get('rewards/accuracies', float('nan')):.2f}"}
+
+    def state_dict(self) -> dict:
+        state: dict = {"guard": self.guard.state_dict()}
+        if self.ref_cache is not None:  # exact: float32 values survive JSON (as float64 reprs) bit for bit
+            c = self.ref_cache
+            state["ref_log_probs"] = {k: getattr(c, k).tolist() for k in REF_FIELDS}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.guard.load_state_dict(state["guard"])
+        saved = state.get("ref_log_probs")
+        if saved is not None:
+            self.ref_cache = PairLogps(*(torch.tensor(saved[k], dtype=torch.float32) for k in REF_FIELDS))
+
+    def finish(self, run_dir, history: list[dict]) -> dict:
+        """The policy adapter at ``run_dir/policy``, the held-out results in ``eval.json``; the summary's fields."""
+        self.shared.save_adapter(POLICY, run_dir / POLICY)
+        ev = self.eval_result or {}
+        if ev:
+            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2), encoding="utf-8")
+        tp = self.train_pairs
+        return {
+            "policy": str(run_dir / POLICY),
+            "loss_type": self.recipe.dpo.loss_type,
+            "train_pairs": len(tp),
+            "skipped_pairs": dict(tp.counts),
+            "ties_beside": tp.ties_beside,
+            "epochs": self.total_steps * self.recipe.dpo.batch_size / len(tp),
+            "loss_first10": tail_mean(history, "loss", head=True),
+            "loss_last10": tail_mean(history, "loss"),
+            "train_accuracy_last10": tail_mean(history, "rewards/accuracies"),
+            "preference_accuracy": ev.get("rewards/accuracies"),
+            "n_pairs": ev.get("n_pairs", 0),
+            "task_accuracy": (ev.get("task") or {}).get("eval/accuracy"),
+            "skipped_updates": self.guard.skipped,
+        }
+
+    @staticmethod
+    def evaluate_checkpoint(
+        recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None
+    ) -> dict:
+        """``lorarl eval`` of a DPO recipe (:func:`evaluate`)."""
+        return evaluate(recipe, checkpoint, n, shared=shared)
+
+
+REF_FIELDS = ("chosen", "rejected", "chosen_tokens", "rejected_tokens")
+
+
+def loss_of(recipe: Recipe):
+    """The recipe's preference loss with its settings bound: ``fn(pair) -> (loss [B], chosen_rewards [B],
+    rejected_rewards [B])`` (:mod:`lorarl.core.preference_losses`)."""
+    cfg = recipe.dpo
+    return functools.partial(
+        preference_loss(cfg.loss_type), beta=cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma
+    )
+
+
+def held_out_reference(
+    shared: SharedBase, role: str | None, pairs: PairSet, rows_per_forward: int, max_tokens: int
+) -> PairLogps | None:
+    """The reference's log-probs of every held-out pair (None for a reference-free loss)."""
+    if role is None:
+        return None
+    return role_logps(shared, role, pairs, list(range(len(pairs))), rows_per_forward, max_tokens)
+
+
+def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
+    """Held-out results of ``checkpoint`` (``base``, a run directory, a checkpoint or an adapter folder) as the
+    policy against the recipe's reference: the implicit-reward metrics on the held-out pairs (``preference/...``)
+    and, with ``dpo.task_source``, the greedy task evaluation (:func:`lorarl.evaluate.evaluate`: ``accuracy``,
+    ``reward_mean``, ...). For ``base`` (the starting point) every implicit reward of a reference-based loss is 0
+    (accuracy 0: a tie counts as wrong)."""
+    from lorarl.evaluate import checkpoint_adapter, load_eval_adapter
+    from lorarl.evaluate import evaluate as evaluate_task
+
+    t0 = time.perf_counter()
+    shared = shared or SharedBase.load(recipe.model)
+    adapter = checkpoint_adapter(recipe, checkpoint)
+    reference = None
+    if recipe.dpo.loss_type not in REFERENCE_FREE:
+        reference = REFERENCE
+        if recipe.model.init_adapter and not shared.has_adapter(REFERENCE):
+            shared.add_adapter(REFERENCE, init_from=recipe.model.init_adapter, trainable=False)
+    pairs = load_split(recipe, shared, "eval", limit=n or recipe.eval.n)
+    if pairs is None and not recipe.dpo.task_source:
+        raise DataError("nothing to evaluate: set data.eval_source (held-out pairs) and / or dpo.task_source")
+    out: dict = {"checkpoint": "base" if adapter is None else str(adapter)}
+    if pairs is not None:
+        role = load_eval_adapter(shared, adapter)
+        bs, max_tokens = recipe.eval.batch_size, recipe.dpo.max_tokens_per_forward
+        ref = held_out_reference(shared, reference, pairs, bs, max_tokens)
+        metrics = pair_metrics(shared, pairs, role, ref, loss_of(recipe), bs, max_tokens)
+        out.update({f"preference/{k}": v for k, v in metrics.items()})
+    if recipe.dpo.task_source:
+        task = evaluate_task(recipe, checkpoint, n=n, shared=shared)
+        out.update({k: v for k, v in task.items() if k not in ("checkpoint", "seconds")})
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
+        (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")  # a run's final policy
+    return out
