@@ -249,7 +249,7 @@ def _ppo(h: HandOff, m: Mapping) -> None:
 def _ppo_kl(h: HandOff, m: Mapping) -> None:
     k = h.recipe.ppo.kl
     _kl(h, m, k.coef, "ppo.kl.coef")
-    m.key("--algo.kl.estimator", "k1", "", "k1 per token in the reward, as lorarl's")
+    m.key("--algo.kl.estimator", k.estimator, "ppo.kl.estimator", f"{k.estimator} per token in the reward, as lorarl's")
     if k.adaptive:
         target, note = kl_target_per_token(h, "OpenRLHF")
         m.key("--algo.kl.target", target, "ppo.kl.adaptive / ppo.kl.target", note)

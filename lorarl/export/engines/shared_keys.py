@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from lorarl.config import recipe_to_dict
+from lorarl.errors import LorarlError
 from lorarl.export.engines.common import HandOff, Mapping, recipe_leaves
 
 # data.* keys that shape the rows lorarl reads: their effect is the exported data files
@@ -18,6 +19,7 @@ ROW_KEYS = (
     "data.seed",
     "data.arithmetic.operations",
     "data.arithmetic.digits",
+    "data.arithmetic.digits_b",
     "data.arithmetic.prompt_template",
 )
 HELD_OUT_KEYS = ("data.eval_source", "data.eval_split", "data.eval_size", "eval.n")
@@ -64,6 +66,12 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         r.train.deterministic,
         "not mapped: distributed vLLM rollouts are not bit-reproducible; verl / OpenRLHF have no one switch for it",
     )
+    if r.agent is not None:
+        raise LorarlError(
+            "the verl / OpenRLHF hand-offs carry single-turn runs only: this recipe has an agent: section (tools), "
+            "whose tool loop the exported configuration would not reproduce"
+        )
+    m.skip("agent", None, "not set: single-turn rollouts, as the engines run them")
     m.skip("eval.batch_size", r.eval.batch_size, "vLLM schedules the evaluation batch itself")
     m.skip(
         "eval.max_new_tokens",

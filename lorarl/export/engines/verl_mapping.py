@@ -267,7 +267,8 @@ def _ppo(h: HandOff, m: Mapping) -> None:
 def _ppo_kl(h: HandOff, m: Mapping) -> None:
     k = h.recipe.ppo.kl
     m.key("algorithm.use_kl_in_reward", k.coef > 0, "ppo.kl.coef", "per-token penalty; reference = base")
-    m.key("algorithm.kl_penalty", "kl", "", "k1 = log pi - log pi_ref, as lorarl's reward penalty")
+    penalty = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}[k.estimator]  # verl's names for the same estimators
+    m.key("algorithm.kl_penalty", penalty, "ppo.kl.estimator", f"{k.estimator} per token in the reward, as lorarl's")
     m.key("algorithm.kl_ctrl.type", "adaptive" if k.adaptive else "fixed", "ppo.kl.adaptive")
     m.key("algorithm.kl_ctrl.kl_coef", k.coef, "ppo.kl.coef")
     if k.adaptive:
