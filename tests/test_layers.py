@@ -14,6 +14,7 @@ ROOT = Path(lorarl.__file__).parent
 LAYERS = {
     # 0: foundations, no model and no torch state
     "errors": 0,
+    "user_code": 0,
     "core": 0,
     "config": 0,
     "phases": 0,

@@ -20,8 +20,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lorarl.agents.tools import Tool, load_object, tool_schema
+from lorarl.agents.tools import Tool, tool_schema
 from lorarl.errors import LorarlError
+from lorarl.user_code import load_object
 
 RESERVED = ("reset", "get_reward", "close")  # TRL reserves the first two; close is lorarl's release hook
 

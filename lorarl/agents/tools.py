@@ -14,8 +14,6 @@ JSON-serialisable as JSON); every failure -- a raise, a timeout, a non-text resu
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from typing import Any
 
 from lorarl.agents.builtins import BUILTIN_TOOLS
 from lorarl.errors import LorarlError
+from lorarl.user_code import load_object
 
 
 @dataclass
@@ -43,33 +42,6 @@ class ToolResult:
     name: str
     text: str
     error: str | None = None
-
-
-def load_object(spec: str, what: str, recipe_path: str | Path | None = None) -> Any:
-    """``package.module:attr`` or ``path/to/file.py:attr`` -> the object (a relative file path is looked up from the
-    current directory, then beside the recipe). Raises one-line :class:`LorarlError` naming ``what`` and ``spec``."""
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise LorarlError(f"{what} {spec!r}: expected module:name or path/to/file.py:name")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser()
-            if not path.is_file() and recipe_path is not None:
-                path = Path(recipe_path).parent / module_name
-            if not path.is_file():
-                raise LorarlError(f"{what} {spec!r}: file {module_name} not found")
-            mod_spec = importlib.util.spec_from_file_location(f"lorarl_user_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except LorarlError:
-        raise
-    except Exception as e:  # the user's module failing to import: say which
-        raise LorarlError(f"{what} {spec!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
-    if not hasattr(module, attr):
-        raise LorarlError(f"{what} {spec!r}: {module_name} has no {attr!r}")
-    return getattr(module, attr)
 
 
 def tool_schema(fn: Callable, what: str) -> dict:

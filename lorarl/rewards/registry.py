@@ -5,16 +5,14 @@ server, :mod:`lorarl.rewards.remote`; ``judge``: an LLM judge on the shared base
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lorarl.config import RewardSpec
 from lorarl.errors import LorarlError
 from lorarl.rewards.builtins import BUILTIN_REWARDS, RewardFn
+from lorarl.user_code import load_object
 
 
 def load_reward_fn(name: str) -> RewardFn:
@@ -28,24 +26,9 @@ def load_reward_fn(name: str) -> RewardFn:
             f"unknown reward {name!r}{hint}: use a built-in ({', '.join(BUILTIN_REWARDS)}), module:function, "
             "or remote / judge with their section"
         )
-    module_name, _, attr = name.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser()
-            if not path.is_file():
-                raise LorarlError(f"reward {name!r}: file {path} not found")
-            spec = importlib.util.spec_from_file_location(f"lorarl_user_rewards_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except LorarlError:
-        raise
-    except Exception as e:  # a user's module failing to import is the user's problem to fix: say which
-        raise LorarlError(f"reward {name!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
-    fn = getattr(module, attr, None)
+    fn = load_object(name, "reward", noun="function")
     if not callable(fn):
-        raise LorarlError(f"reward {name!r}: {module_name} has no function {attr!r}")
+        raise LorarlError(f"reward {name!r}: {name.rpartition(':')[0]} has no function {name.rpartition(':')[2]!r}")
     return fn
 
 

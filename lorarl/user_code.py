@@ -1,0 +1,47 @@
+"""User code named in a recipe: ``package.module:name`` or ``path/to/file.py:name`` -> the object.
+
+Reward functions (:mod:`lorarl.rewards.registry`) and tools and environments (:mod:`lorarl.agents.tools`) are named
+this way; one loader serves both, so the rules and the one-line errors are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from lorarl.errors import LorarlError
+
+
+def load_object(spec: str, what: str, recipe_path: str | Path | None = None, noun: str = "") -> Any:
+    """``package.module:attr`` or ``path/to/file.py:attr`` -> the object (a relative file path is looked up from the
+    current directory, then beside the recipe). Raises one-line :class:`LorarlError` naming ``what`` and ``spec``:
+    no ``:``, a missing file, a module that fails to import (with its error), a module without ``attr`` (``noun``,
+    e.g. "function", names what was expected).
+
+    Example: ``load_object("math:sqrt", "reward")`` is ``math.sqrt``; ``load_object("nope.py:f", "tool")`` raises
+    ``tool 'nope.py:f': file nope.py not found``.
+    """
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise LorarlError(f"{what} {spec!r}: expected module:name or path/to/file.py:name")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            if not path.is_file() and recipe_path is not None:
+                path = Path(recipe_path).parent / module_name
+            if not path.is_file():
+                raise LorarlError(f"{what} {spec!r}: file {module_name} not found")
+            mod_spec = importlib.util.spec_from_file_location(f"lorarl_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except LorarlError:
+        raise
+    except Exception as e:  # the user's module failing to import is the user's to fix: say which
+        raise LorarlError(f"{what} {spec!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    if not hasattr(module, attr):
+        raise LorarlError(f"{what} {spec!r}: {module_name} has no {noun + ' ' if noun else ''}{attr!r}")
+    return getattr(module, attr)
