@@ -157,6 +157,13 @@ def cmd_bench(args) -> int:
         result = run_gpu_bench(out=args.out, parts=args.part, force=args.force, smoke=args.smoke)
         _print_json_last(result)
         return 1 if result["failed"] else 0
+    if args.which == "agent-turns":  # a 3-turn GRPO step vs a single-turn one of the same tokens (issue 23)
+        from pathlib import Path
+
+        from lorarl.bench.agent_turns import run as run_agent_turns
+
+        _print_json_last(run_agent_turns(args.model, args.steps, out=Path(args.out) if args.out else None))
+        return 0
     if args.which == "judge":  # LLM judge vs numeric_match, and its cost per GRPO step (lorarl.bench.judge)
         from pathlib import Path
 
@@ -258,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.set_defaults(func=cmd_doctor)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks")
-    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory", "rollout", "gpu", "judge"])
+    b.add_argument("which", choices=["grpo-vs-trl", "ppo-memory", "rollout", "gpu", "judge", "agent-turns"])
     b.add_argument("--part", action="append", default=None, help="gpu: run only this part (repeatable; default all)")
     b.add_argument("--force", action="store_true", help="gpu: run parts again even if their JSON exists")
     b.add_argument("--smoke", action="store_true", help="gpu: tiny shapes on any device (a temp folder by default)")

@@ -12,7 +12,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no busy-waiting OpenMP threads
 
 WORKERS = ("grpo-lorarl", "grpo-trl", "ppo-reward-adapter", "ppo-shared", "ppo-separate")
-USAGE = "usage: lorarl bench grpo-vs-trl|ppo-memory [--steps N] [--model M] [--out DIR]"
+USAGE = "usage: lorarl bench grpo-vs-trl|ppo-memory|agent-turns [--steps N] [--model M] [--out DIR]"
 
 
 def parse_worker_args(argv: list[str]) -> argparse.Namespace:
@@ -57,5 +57,9 @@ def worker_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         sys.exit(worker_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "agent-turns":  # in this process (lorarl.bench.agent_turns)
+        from lorarl.bench.agent_turns import main as agent_turns_main
+
+        sys.exit(agent_turns_main(sys.argv[2:]))
     print(USAGE, file=sys.stderr)
     sys.exit(2)
