@@ -10,6 +10,8 @@ and the answers stream in side by side. The pieces:
 - :mod:`~lorarl.chat.engine`: :class:`ChatEngine` answers every pane on the ONE shared base in one batched
   ``generate`` call (per-row adapters), merged exports in their own batches, streaming, with Stop
   (:mod:`~lorarl.chat.streaming` holds the streamer and the stop criterion).
+- :mod:`~lorarl.chat.tools`: panes of runs trained with tools (an ``agent:`` section) answer through the tool loop
+  with the run's tools only, their calls and results folded above the answer.
 - :mod:`~lorarl.chat.scoring`: the reward shown under each answer (a run's rule rewards or its reward model).
 - :mod:`~lorarl.chat.votes`: votes appended as TRL ``chosen`` / ``rejected`` pairs to ``RUNS/preferences.jsonl``
   (ties to ``RUNS/preferences_ties.jsonl``).
@@ -20,7 +22,8 @@ and the answers stream in side by side. The pieces:
   components, their callbacks, and the client API; :mod:`~lorarl.chat.app`: :func:`build_app` and :func:`launch`.
 
 API (``gradio_client``): ``/respond`` (prompt, panes, system, temperature, top_p, max_new_tokens, seed, reward,
-columns -> {"panes", "answers", "finished", "rewards"}), ``/checkpoints`` and ``/rewards`` (what can be chosen).
+columns -> {"panes", "answers", "finished", "rewards", "tool_calls"}), ``/checkpoints`` and ``/rewards`` (what can
+be chosen).
 The UI's own events are private (not callable from clients). Gradio is imported only when the app is built.
 """
 

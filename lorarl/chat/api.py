@@ -28,7 +28,9 @@ def register_api(session: ChatSession) -> None:
     ) -> dict:
         """Answer one prompt with each checkpoint in ``panes`` (ids from /checkpoints), in one batch.
 
-        Returns {"panes", "answers", "finished", "rewards"}; ``reward`` is an id from /rewards or "none",
+        Returns {"panes", "answers", "finished", "rewards", "tool_calls"} (``tool_calls``: per pane, the calls a
+        pane of a run trained with tools made, [{"name", "arguments", "result", "error"}]); ``reward`` is an id from
+        /rewards or "none",
         ``columns`` a JSON object of extra reward columns (e.g. {"answer": "42"}).
         """
         try:

@@ -291,6 +291,17 @@ class Catalog:
             raise LorarlError(f"{entry.id}: {resolved} no longer exists (pruned checkpoint?); press Refresh")
         return resolved
 
+    def run_recipe(self, run: str | None) -> tuple[dict, Path] | None:
+        """``(recipe as plain data, its path)`` of run ``run`` when its ``recipe.yaml`` has an ``agent`` section (the
+        run trained with tools), else None. The folder must lie inside the runs directory."""
+        if not run:
+            return None
+        path = self.root / run / "recipe.yaml"
+        if not self.inside(path.parent) or not path.is_file():
+            return None
+        recipe = read_recipe(path.parent)
+        return (recipe, path) if _section(recipe, "agent") else None
+
     def get_scorer(self, scorer_id: str) -> ScorerEntry | None:
         """The scorer for ``scorer_id`` (None for ``none``; rescanning once if unknown); LorarlError otherwise."""
         if not scorer_id or scorer_id == NO_REWARD:

@@ -26,6 +26,7 @@ from lorarl.chat.catalog import Catalog, Entry, folder_stamp
 from lorarl.chat.inputs import check_generation, check_seed
 from lorarl.chat.scoring import AnswerScorer, RewardResult
 from lorarl.chat.streaming import PaneStreamer, render_prompt, stopping_criteria
+from lorarl.chat.tools import RunTools, answer_with_tools
 from lorarl.config import GenerationConfig
 from lorarl.errors import LorarlError
 from lorarl.model.sampling import generate_kwargs, use_clean_generation_config
@@ -45,6 +46,8 @@ class Answer:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    steps: list = field(default_factory=list)  # tool panes: the calls and results before the answer (ToolStep)
+    turns: int = 0  # tool panes: model turns taken (the answer is the last one's text)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Request:
     stop: threading.Event
     on_update: Callable[[int, str], None] | None
     answers: list[Answer]
+    on_steps: Callable[[int, list], None] | None = None
 
 
 def adapter_name(prefix: str, key: str) -> str:
@@ -80,6 +84,7 @@ class ChatEngine:
         self.scoring = AnswerScorer(shared, self.lock)
         self._adapters: dict[str, tuple[str, str]] = {}  # entry id -> (peft adapter name, files stamp)
         self._exports: dict[str, tuple[Any, Any]] = {}  # entry id -> (model, tokenizer)
+        self.tools = RunTools(catalog, shared)  # the tools of runs trained with an agent section
 
     # ---- loading ----------------------------------------------------------------------------------------------
     def loaded(self) -> dict[str, list[str]]:
@@ -145,6 +150,7 @@ class ChatEngine:
         seed: int = 0,
         stop: threading.Event | None = None,
         on_update: Callable[[int, str], None] | None = None,
+        on_steps: Callable[[int, list], None] | None = None,
     ) -> list[Answer]:
         """Answer ``conversations[i]`` (chat messages ending with the user's turn) with checkpoint ``panes[i]``.
 
@@ -152,13 +158,19 @@ class ChatEngine:
         ``seed`` seeds torch before each batch (negative: the RNG is left as it is). All panes on the shared base
         are answered by ONE batched ``generate`` call (per-row ``adapter_names``); each merged export answers its
         panes in its own batch afterwards. ``on_update(pane, text)`` streams text; ``stop`` ends every row.
+
+        A pane whose run trained with tools (its ``recipe.yaml`` has an ``agent`` section) answers through the tool
+        loop with the run's tools (:mod:`lorarl.chat.tools`): ``Answer.steps`` holds its calls and results, each
+        new one reported by ``on_steps(pane, steps)``, and ``Answer.text`` its final answer.
         """
         if len(panes) != len(conversations) or not panes:
             raise LorarlError("need one conversation per pane, and at least one pane")
         generation = check_generation(generation)
         entries = [self.catalog.get(p) for p in panes]
         answers = [Answer(i, e.id) for i, e in enumerate(entries)]
-        request = _Request(conversations, generation, check_seed(seed), stop or threading.Event(), on_update, answers)
+        request = _Request(
+            conversations, generation, check_seed(seed), stop or threading.Event(), on_update, answers, on_steps
+        )
         groups: dict[str, list[int]] = {}  # "" (the shared base) or an export's id -> its panes
         for i, e in enumerate(entries):
             groups.setdefault(e.id if e.kind == "export" else "", []).append(i)
@@ -167,7 +179,18 @@ class ChatEngine:
                 if request.stop.is_set():
                     break
                 model, tok, names = self._group_model(entries, key, rows)
-                self._generate_group(model, tok, names, rows, request)
+                eos = eos_token_ids(model.module if isinstance(model, SharedBase) else model, tok)
+                agents = [self.tools.agent(entries[i], tok, eos) for i in rows]
+                for with_tools in (False, True):
+                    part = [k for k, a in enumerate(agents) if (a is not None) == with_tools]
+                    if not part or request.stop.is_set():
+                        continue
+                    sub_names = [names[k] for k in part] if names is not None else None
+                    if with_tools:
+                        tooled = [agents[k] for k in part]
+                        answer_with_tools(self, model, tok, sub_names, [rows[k] for k in part], tooled, request)
+                    else:
+                        self._generate_group(model, tok, sub_names, [rows[k] for k in part], request)
         return answers
 
     def _group_model(self, entries: list[Entry], key: str, rows: list[int]) -> tuple[Any, Any, list[str] | None]:
@@ -183,45 +206,63 @@ class ChatEngine:
     def _generate_group(self, model, tok, adapter_names: list[str] | None, rows: list[int], request: _Request) -> None:
         """Answer panes ``rows`` in one ``generate`` call of ``model`` (a merged export, or the shared base with
         ``adapter_names``: one per row, or None)."""
-        net = model.module if isinstance(model, SharedBase) else model
-        generation = request.generation
         prompts = [
             tok(render_prompt(tok, request.conversations[i]), add_special_tokens=False)["input_ids"] for i in rows
         ]
-        max_pos = getattr(getattr(net, "config", None), "max_position_embeddings", None)
-        if isinstance(max_pos, int) and max_pos > 0:
-            keep = max(1, max_pos - generation.max_new_tokens)
-            prompts = [p[-keep:] for p in prompts]
-        pad_id = _pad_id(tok)
-        device = next(net.parameters()).device
-        input_ids, attention_mask = pad_left(prompts, pad_id)
-        eos = eos_token_ids(net, tok)
 
         def on_text(r: int, text: str) -> None:
             request.answers[rows[r]].text = text
             if request.on_update is not None:
                 request.on_update(rows[r], text)
 
+        out = self.generate_ids(model, tok, adapter_names, prompts, request, request.generation.max_new_tokens, on_text)
+        eos = set(eos_token_ids(model.module if isinstance(model, SharedBase) else model, tok))
+        for r, ids in enumerate(out):
+            self._finish(request, rows[r], ids, eos, tok)
+
+    def generate_ids(
+        self,
+        model,
+        tok,
+        adapter_names: list[str] | None,
+        prompts: list[list[int]],
+        request: _Request,
+        max_new_tokens: int,
+        on_text: Callable[[int, str], None],
+        seed: bool = True,
+    ) -> list[list[int]]:
+        """One batched ``generate`` of ``model`` (a merged export, or the shared base with ``adapter_names``) after
+        the token-id ``prompts``, streaming each row's text to ``on_text(row, text)``; returns the new ids of each row
+        (EOS and padding included). ``seed``: reseed torch with the request's seed first."""
+        net = model.module if isinstance(model, SharedBase) else model
+        generation = request.generation
+        max_pos = getattr(getattr(net, "config", None), "max_position_embeddings", None)
+        if isinstance(max_pos, int) and max_pos > 0:
+            keep = max(1, max_pos - max_new_tokens)
+            prompts = [p[-keep:] for p in prompts]
+        pad_id = _pad_id(tok)
+        device = next(net.parameters()).device
+        input_ids, attention_mask = pad_left(prompts, pad_id)
+        eos = eos_token_ids(net, tok)
         kwargs = generate_kwargs(
             greedy=generation.temperature == 0,
             temperature=generation.temperature,
             top_p=generation.top_p,
             top_k=generation.top_k,
-            max_new_tokens=generation.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             eos_ids=eos,
             pad_id=pad_id,
         )
-        kwargs.update(use_cache=True, streamer=PaneStreamer(tok, eos, len(rows), on_text))
+        kwargs.update(use_cache=True, streamer=PaneStreamer(tok, eos, len(prompts), on_text))
         kwargs["stopping_criteria"] = stopping_criteria(request.stop)
-        if request.seed >= 0:
+        if seed and request.seed >= 0:
             torch.manual_seed(request.seed)
         ids, mask = input_ids.to(device), attention_mask.long().to(device)
         if isinstance(model, SharedBase):
             out = model.generate_mixed(ids, mask, adapter_names, **kwargs)
         else:
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        for r, ids in enumerate(out[:, input_ids.shape[1] :].tolist()):
-            self._finish(request, rows[r], ids, set(eos), tok)
+        return out[:, input_ids.shape[1] :].tolist()
 
     @staticmethod
     def _finish(request: _Request, pane: int, ids: list[int], eos: set[int], tok) -> None:

@@ -18,10 +18,18 @@ import gradio as gr
 
 from lorarl.chat.catalog import BASE_ID, NO_REWARD
 from lorarl.chat.engine import Answer, ChatEngine
-from lorarl.chat.inputs import check_seed, generation_from_ui, parse_columns, plain_history, system_messages
+from lorarl.chat.inputs import (
+    check_seed,
+    display_history,
+    generation_from_ui,
+    parse_columns,
+    plain_history,
+    system_messages,
+)
 from lorarl.chat.layout import Widgets
 from lorarl.chat.scoring import RewardResult
 from lorarl.chat.session import MAX_PANES, ChatSession
+from lorarl.chat.tools import tool_messages
 from lorarl.config import GenerationConfig
 from lorarl.errors import LorarlError
 
@@ -40,6 +48,7 @@ class _Job:
     def __init__(self, engine: ChatEngine, panes: list[str], conversations: list[list[dict]], stop: threading.Event):
         self.engine, self.panes, self.conversations, self.stop = engine, panes, conversations, stop
         self.texts = [""] * len(panes)
+        self.steps: list[list] = [[] for _ in panes]  # tool panes: the calls and results so far (ToolStep)
         self.changed = threading.Event()
         self.answers: list[Answer] = []
         self.rewards: list[RewardResult] | None = None
@@ -51,10 +60,20 @@ class _Job:
         self.texts[i] = text
         self.changed.set()
 
+    def _on_steps(self, i: int, steps: list) -> None:
+        self.steps[i] = steps
+        self.changed.set()
+
     def _work(self, generation: GenerationConfig, seed: int, reward: str, columns: dict) -> None:
         try:
             self.answers = self.engine.generate(
-                self.panes, self.conversations, generation, seed=seed, stop=self.stop, on_update=self._on_update
+                self.panes,
+                self.conversations,
+                generation,
+                seed=seed,
+                stop=self.stop,
+                on_update=self._on_update,
+                on_steps=self._on_steps,
             )
             if reward and reward != NO_REWARD and not self.stop.is_set():
                 self.scoring = True
@@ -90,9 +109,22 @@ class _Frames:
     hist: list[list[dict]]
     turn: dict  # system prompt and panes of this request (what a vote records)
 
-    def frame(self, texts: list[str], msg: Any, note: str, done: bool = False, reward_md: list[str] | None = None):
+    def __post_init__(self) -> None:
+        self.start = [len(h) - 1 for h in self.hist]  # where each pane's reply begins (after the new user turn)
+
+    def frame(
+        self,
+        texts: list[str],
+        msg: Any,
+        note: str,
+        done: bool = False,
+        reward_md: list[str] | None = None,
+        steps: list[list] | None = None,
+    ):
         for i in range(self.n):
-            self.hist[i][-1]["content"] = texts[i] if (texts[i] or done) else "…"
+            text = texts[i] if (texts[i] or done) else "…"
+            # a tool pane's reply: its calls and results folded (gradio's metadata titles), then the answer
+            self.hist[i] = self.hist[i][: self.start[i]] + tool_messages(steps[i] if steps else [], text)
         bots = [self.hist[i] if i < self.n else gr.update() for i in range(MAX_PANES)]
         rewards = [(reward_md[i] if reward_md else "") if i < self.n else gr.update() for i in range(MAX_PANES)]
         return [*bots, *rewards, msg, note, self.turn]
@@ -112,12 +144,12 @@ def _last_user_message(hist: list[list[dict]]) -> str | None:
 
 
 def _without_last_turn(h: list[dict], message: str) -> list[dict]:
-    """A pane's history without its last exchange for ``message`` (what Regenerate answers again)."""
+    """A pane's history without its last exchange for ``message`` (what Regenerate answers again): the last user
+    turn and the assistant messages after it (a tool pane's folded calls and its answer)."""
     user = {"role": "user", "content": message}
-    if len(h) >= 2 and h[-1]["role"] == "assistant" and h[-2] == user:
-        return h[:-2]
-    if h and h[-1] == user:
-        return h[:-1]
+    for k in range(len(h) - 1, -1, -1):
+        if h[k]["role"] == "user":
+            return h[:k] if h[k] == user else h
     return h
 
 
@@ -147,7 +179,7 @@ class Handlers:
 
     def on_regen(self, n, p0, p1, p2, p3, h0, h1, h2, h3, sys_p, temp, tp, mx, sd, rw, colj, request: gr.Request):
         n = int(n)
-        hist = [plain_history(h) for h in (h0, h1, h2, h3)]
+        hist = [display_history(h) for h in (h0, h1, h2, h3)]
         message = _last_user_message(hist[:n])
         if message is None:
             raise gr.Error("nothing to regenerate yet")
@@ -169,9 +201,10 @@ class Handlers:
         """Answer ``message`` in the first ``n`` panes, yielding a frame each time their texts change."""
         sys_p, temp, tp, mx, sd, rw, colj = settings
         generation, seed, columns = self._check(pick[:n], temp, tp, mx, sd, colj)
-        hist = [plain_history(h) for h in hist]
+        hist = [display_history(h) for h in hist]
         before = [list(h) for h in hist]
-        convs = [system_messages(sys_p) + hist[i] + [{"role": "user", "content": message}] for i in range(n)]
+        user = [{"role": "user", "content": message}]
+        convs = [system_messages(sys_p) + plain_history(hist[i]) + user for i in range(n)]
         for i in range(n):
             hist[i] = hist[i] + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
         frames = _Frames(n, hist, {"system": sys_p or "", "panes": list(pick[:n])})
@@ -182,7 +215,7 @@ class Handlers:
         yield frames.frame(job.texts, "", GENERATING)
         try:
             for note in job.notes():
-                yield frames.frame(job.texts, gr.update(), note)
+                yield frames.frame(job.texts, gr.update(), note, steps=job.steps)
             stopped = stop_ev.is_set()
         finally:
             stop_ev.set()  # a cancelled or disconnected request stops its generation
@@ -194,7 +227,8 @@ class Handlers:
         ntok = sum(len(a.token_ids) for a in job.answers)
         note = f"{'stopped' if stopped else 'done'}: {ntok} tokens in {time.monotonic() - t0:.1f} s"
         reward_md = [r.markdown() for r in job.rewards] if job.rewards else None
-        yield frames.frame(job.texts, gr.update(), note, done=True, reward_md=reward_md)
+        steps = [a.steps for a in job.answers]
+        yield frames.frame(job.texts, gr.update(), note, done=True, reward_md=reward_md, steps=steps)
 
     # ---- the other controls ---------------------------------------------------------------------------------
     def on_stop(self, request: gr.Request):

@@ -85,11 +85,29 @@ def _content_text(content: Any) -> str:
 
 
 def plain_history(history: Any) -> list[dict]:
-    """A Chatbot value -> ``[{"role": "user" | "assistant", "content": str}]``."""
+    """A Chatbot value -> ``[{"role": "user" | "assistant", "content": str}]``. Folded tool messages (a
+    ``metadata`` title: a tool pane's calls and results) are left out: the conversation keeps the answers."""
     out = []
     for m in history or []:
+        if isinstance(m, dict) and (m.get("metadata") or {}).get("title"):
+            continue
         if isinstance(m, dict) and m.get("role") in ("user", "assistant"):
             out.append({"role": m["role"], "content": _content_text(m.get("content"))})
+    return out
+
+
+def display_history(history: Any) -> list[dict]:
+    """A Chatbot value as it is shown again: :func:`plain_history`'s messages plus the folded tool messages
+    (``{"role": "assistant", "content", "metadata": {"title", ...}}``) where they were."""
+    out = []
+    for m in history or []:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            continue
+        msg = {"role": m["role"], "content": _content_text(m.get("content"))}
+        meta = m.get("metadata") or {}
+        if meta.get("title"):
+            msg["metadata"] = {k: meta[k] for k in ("title", "log", "status") if meta.get(k) is not None}
+        out.append(msg)
     return out
 
 

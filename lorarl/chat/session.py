@@ -3,6 +3,7 @@ votes written to the preference files. The UI's handlers and the API both go thr
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +54,8 @@ class ChatSession:
         seed: int = 0,
     ) -> dict:
         """Answer one single-turn ``prompt`` with each checkpoint in ``panes`` -> ``{"panes", "answers",
-        "finished", "rewards"}`` (``rewards`` None when ``reward`` is ``none``)."""
+        "finished", "rewards", "tool_calls"}`` (``rewards`` None when ``reward`` is ``none``; ``tool_calls``: per
+        pane, the calls a pane of a run trained with tools made, ``{"name", "arguments", "result", "error"}``)."""
         if not prompt or not prompt.strip():
             raise LorarlError("empty prompt")
         if not 1 <= len(panes) <= MAX_PANES:
@@ -67,6 +69,7 @@ class ChatSession:
             "answers": [a.text for a in answers],
             "finished": [a.finished for a in answers],
             "rewards": [r.total for r in rewards] if rewards is not None else None,
+            "tool_calls": [[dataclasses.asdict(s) for s in a.steps] for a in answers],
         }
 
     def vote(

@@ -126,6 +126,19 @@ def _how_to_load(src: RunSource, fmt: str, info: dict) -> list[str]:
     ]
 
 
+def _tool_use(src: RunSource, fmt: str, info: dict) -> list[str]:
+    """The "Tool use" section of a run that trained with tools (:mod:`lorarl.export.tools`); none otherwise."""
+    if src.recipe is None or src.recipe.agent is None:
+        return []
+    from transformers import AutoTokenizer
+
+    from lorarl.export.tools import card_lines, tool_use
+
+    tok = AutoTokenizer.from_pretrained(src.base_path, trust_remote_code=src.trust_remote_code)
+    use = tool_use(src, tok)
+    return card_lines(use, info.get("modelfile") if fmt == "gguf" else None) if use else []
+
+
 def _run_sections(src: RunSource, info: dict) -> list[str]:
     """Metrics at the exported step, ``eval.json``, the recipe and the notes."""
     lines = ["", "## Metrics at the exported step", ""]
@@ -178,6 +191,7 @@ def model_card(src: RunSource, fmt: str, dtype: str, info: dict | None = None) -
             f"{merge}, saved in {info.get('merged_dtype')} and converted by llama.cpp's `{info.get('converter')}`"
         )
     lines += _how_to_load(src, fmt, info)
+    lines += _tool_use(src, fmt, info)
     if fmt in ("verl", "openrlhf"):
         lines += ["", *info.get("card", [])]
     if info.get("gate"):

@@ -136,21 +136,38 @@ def _stops(tok: Any, folder: Path) -> list[str]:
 
 
 def modelfile_text(
-    gguf_file: str, tok: Any, stops: list[str], src: RunSource
+    gguf_file: str, tok: Any, stops: list[str], src: RunSource, report: dict | None = None
 ) -> tuple[str, ChatFormat | None, list[str]]:
-    """The Modelfile, the chat format its TEMPLATE renders (None: no TEMPLATE, no known format matched) and notes."""
+    """The Modelfile, the chat format its TEMPLATE renders (None: no TEMPLATE, no known format matched) and notes.
+    A run that trained with tools (``agent:``) gets the tool template where Ollama can carry it
+    (:func:`lorarl.export.tools.ollama_tool_template`); ``report["tools"]`` (when given) says which, or why not."""
+    from lorarl.export.tools import ollama_tool_template, tool_use
+
     recipe = src.recipe
     fmt = detect_chat_format(tok)
+    use = tool_use(src, tok)
+    tool_template, why = ollama_tool_template(use, fmt.name if fmt else None, tok) if use else (None, "")
+    if report is not None and use is not None:
+        report["tools"] = {"format": use.format, "template": use.format if tool_template else None, "why": why}
     notes: list[str] = []
     lines = [
         "# Ollama Modelfile written by lorarl: `ollama create NAME -f Modelfile` in this folder.",
         f"FROM ./{gguf_file}",
     ]
     system = recipe.data.system_prompt if recipe is not None and recipe.data.system_prompt else None
-    if fmt is not None:
+    if tool_template is not None:
+        lines += [
+            f"# chat template: {fmt.name} with lorarl's system-prompt tool convention (tool calls, tool messages)"
+        ]
+        lines += ["# checked against the tokenizer's own rendering of a tool conversation", ""]
+        lines.append(f"TEMPLATE {_quote(tool_template)}")
+        system = use.system_message  # the exact system message the run trained with: its text, then the tools
+    elif fmt is not None:
         lines += [f"# chat template: {fmt.name}, checked against the tokenizer's own template", ""]
         lines.append(f"TEMPLATE {_quote(fmt.go_template())}")
         system = system or fmt.default_system
+        if use is not None:
+            notes.append(f"Modelfile: no tool template ({why})")
     else:
         notes.append(
             "Modelfile: no known chat format matched the tokenizer's template; no TEMPLATE written, so Ollama uses "
@@ -176,10 +193,11 @@ def modelfile_text(
 
 def write_modelfile(folder: Path, gguf_file: str, model_dir: Path, src: RunSource) -> dict:
     """Write ``folder/Modelfile`` for ``gguf_file`` from the merged model folder's tokenizer; returns
-    ``{"file", "template", "notes"}``."""
+    ``{"file", "template", "notes"}`` (+ ``"tools"`` for a run that trained with tools)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    text, fmt, notes = modelfile_text(gguf_file, tok, _stops(tok, model_dir), src)
+    report: dict = {}
+    text, fmt, notes = modelfile_text(gguf_file, tok, _stops(tok, model_dir), src, report)
     (folder / "Modelfile").write_text(text, encoding="utf-8")
-    return {"file": "Modelfile", "template": fmt.name if fmt else None, "notes": notes}
+    return {"file": "Modelfile", "template": fmt.name if fmt else None, "notes": notes, **report}
