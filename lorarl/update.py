@@ -257,11 +257,17 @@ class NonFiniteGuard:
     max_in_row: int = 3
     skipped: int = 0
     in_row: int = 0
+    loss_scales: dict[str, float] = field(default_factory=dict)  # who -> the loss scale of its last update
+    overflows: int = 0  # overflowed backward passes since the last :meth:`loss_scale_metrics`
 
     def check(self, result: StepResult, step: int, who: str = "") -> bool:
         """Count ``result`` if it was skipped; raise LorarlError at ``max_in_row`` in a row. Returns skipped.
         An fp16 overflow skip at a loss scale of 1 or more (a lone :func:`one_pass`; :func:`optimizer_step`
-        retries those) is counted but never stops the run."""
+        retries those) is counted but never stops the run. A loss-scaled result's scale and overflowed passes
+        (``overflows`` redone, plus 1 when it was itself skipped as an overflow) are kept for the metrics."""
+        if result.loss_scale is not None:
+            self.loss_scales[who] = float(result.loss_scale)
+            self.overflows += result.overflows + int(result.overflow)
         if not result.skipped:
             self.in_row = 0
             return False
@@ -278,6 +284,20 @@ class NonFiniteGuard:
                 f"(train.max_nonfinite_in_row={self.max_in_row}); lower train.learning_rate or check the reward functions"
             )
         return True
+
+    def loss_scale_metrics(self) -> dict[str, float | int]:
+        """The step's loss-scaling metrics, empty without a loss scaler (only fp16 bases have one):
+        ``loss_scale`` (``<who>_loss_scale`` for a role checked under another name than "" or "policy", e.g. PPO's
+        ``critic_loss_scale``), the scale of the last update's backward; ``loss_scale_overflows``, the backward
+        passes that overflowed in fp16 since the previous call (each redone at half the scale, or skipped)."""
+        if not self.loss_scales:
+            return {}
+        out: dict[str, float | int] = {
+            ("loss_scale" if who in ("", "policy") else f"{who}_loss_scale"): scale
+            for who, scale in self.loss_scales.items()
+        }
+        out["loss_scale_overflows"], self.overflows = self.overflows, 0
+        return out
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped, "in_row": self.in_row}

@@ -1,6 +1,6 @@
 """Export: merged model == adapter on the full-precision base, PEFT adapter folder, atomic folders and errors (tiny
-model, CPU). The verl / OpenRLHF hand-offs: tests/test_handoff.py. The fidelity gate and the NF4-vs-merged gap:
-tests/test_gate.py (skipped here with gate_n=0, to keep these tests fast)."""
+model, CPU). The verl / OpenRLHF hand-offs: tests/test_handoff.py. The fidelity gate: tests/test_gate.py; the
+NF4-vs-merged gap: tests/test_nf4_gap.py (skipped here with gate_n=0, to keep these tests fast)."""
 
 from __future__ import annotations
 

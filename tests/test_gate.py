@@ -12,7 +12,7 @@ from export_runs import make_loud_model, make_run
 
 from lorarl.config import Recipe
 from lorarl.errors import LorarlError
-from lorarl.export import export, measure_nf4_gap
+from lorarl.export import export
 from lorarl.export.gate import _accuracy, _logprob_deltas, _tally, check_gate, summary_line
 
 
@@ -70,19 +70,6 @@ def test_nf4_training_model_fails_a_strict_gate_and_warns_by_default(tiny_model_
     assert "lorarl: warning: fidelity gate warning" in capsys.readouterr().err
     saved = json.loads((tmp_path / "warned" / "gate.json").read_text())
     assert saved["disagreements"] and saved["disagreements"][0]["trained"] != saved["disagreements"][0]["export"]
-
-
-def test_measure_nf4_gap_is_the_gate_against_nf4(run_dir, merged):
-    pytest.importorskip("bitsandbytes")
-    rows = [
-        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-        for a, b in [(12, 30), (45, 11), (7, 8), (60, 21)]
-    ]
-    result = measure_nf4_gap(run_dir, rows, merged_dir=merged[0], max_new_tokens=4, device="cpu")
-    assert result["prompts"] == 4 and result["prompt_source"] == "prompts given by the caller"
-    assert "nf4 base" in result["training_model"] and result["max_new_tokens"] == 4
-    assert 0.0 < result["logprob_mean_abs_delta"] <= result["logprob_max_abs_delta"]
-    assert result["accuracy_delta"] == pytest.approx(result["accuracy_export"] - result["accuracy_trained"])
 
 
 def test_default_gate_n_is_the_gates():

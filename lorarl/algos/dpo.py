@@ -222,6 +222,7 @@ class DPO:
             "learning_rate": result.lr,
             "epoch": (step - 1) * self.recipe.dpo.batch_size / len(tp),
             "skipped_updates": self.guard.skipped,
+            **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(tokens),
         }
 

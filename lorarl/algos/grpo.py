@@ -429,6 +429,7 @@ class GRPO:
             "trained_rows": int(len(rows)),
             "reward_failures": self.source.failures,
             "skipped_updates": self.guard.skipped,
+            **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(lengths.sum()),
             **health,
             **self.agent_metrics,

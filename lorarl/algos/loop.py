@@ -29,6 +29,7 @@ from lorarl.config import Recipe, recipe_to_dict
 from lorarl.health import HealthMonitor
 from lorarl.metrics import MetricsLogger, check_trackers, plot_metrics
 from lorarl.model import SharedBase
+from lorarl.model.host_memory import release_freed_tensors
 from lorarl.phases import phase, recording
 from lorarl.rollout.fast import engine_metrics
 
@@ -110,6 +111,7 @@ def set_threads() -> int:
         n = os.cpu_count() or 1
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, n))
+        release_freed_tensors()  # glibc would keep a step's freed activations resident (lorarl.model.host_memory)
     return torch.get_num_threads()
 
 

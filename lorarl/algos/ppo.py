@@ -263,6 +263,7 @@ class PPO:
             "critic_grad_norm": finite_mean(acc.get("critic_grad_norm", [])),
             "lr": lr,
             "skipped_updates": self.guard.skipped,
+            **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(lengths.sum()),
             **health,
             **sampled.metrics,

@@ -235,6 +235,7 @@ class RewardModel:
             "learning_rate": result.lr,
             "epoch": (step - 1) * cfg.batch_size / len(self.train_pairs),
             "skipped_updates": self.guard.skipped,
+            **self.guard.loss_scale_metrics(),  # fp16 bases only
         }
         return row
 

@@ -31,6 +31,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from lorarl.algos.base import batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
@@ -105,10 +106,67 @@ def completion_nll(logprobs: Tensor, mask: Tensor, total_tokens: int) -> Tensor:
     return -(logprobs * mask).sum() / total_tokens
 
 
+def common_prefix(prompts: list[list[int]]) -> int:
+    """The length of the longest token prefix every prompt of ``prompts`` starts with (at most the shortest prompt).
+
+    Example: ``[[1, 2, 3], [1, 2, 4], [1, 2]]`` -> 2.
+    """
+    n = min(len(p) for p in prompts)
+    first = prompts[0]
+    for q in prompts[1:]:
+        k = 0
+        while k < n and q[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def prefix_split(
+    prompts: list[list[int]], completions: list[list[int]], masks: list[list[bool]]
+) -> tuple[list[int], list[list[int]], list[list[bool]]]:
+    """``(prefix, rests, rest masks)``: the prefix every prompt shares, and each row's rest -- its prompt's tail,
+    then its completion. ``prefix + rest_i == prompt_i + completion_i`` token for token; a rest's loss mask is False
+    on the prompt's tail and the completion's own mask after it.
+
+    Example: prompts ``[[1, 2, 3], [1, 2, 4]]``, completions ``[[7], [8, 9]]``, masks ``[[T], [T, F]]`` ->
+    ``([1, 2], [[3, 7], [4, 8, 9]], [[F, T], [F, T, F]])``.
+    """
+    n = common_prefix(prompts)
+    rests = [p[n:] + c for p, c in zip(prompts, completions)]
+    rest_masks = [[False] * (len(p) - n) + list(m) for p, m in zip(prompts, masks)]
+    return prompts[0][:n], rests, rest_masks
+
+
+def shared_prefix_batch(data: SFTSet, rows: list[int], pad_id: int) -> tuple[ExampleBatch, Tensor]:
+    """Rows ``rows`` as ONE shared prompt (the prefix all their prompts share: the chat template's system prompt,
+    with a tool-use trace's tool schemas ~170 tokens) and per-row completions (each prompt's tail, then its
+    completion), with the loss mask ``[B, T]`` bool on the completions' loss tokens only.
+
+    The same prompt on every row lets :func:`lorarl.model.completion_logprobs` run the prefix once (its keys /
+    values shared, or packed under activation checkpointing): the same log-probs as the per-row forward of
+    :func:`example_batch` (an exact rewrite: same tokens, positions and attention), for ``L + sum(rest)`` tokens
+    instead of ``sum(prompt + completion)``. A prefix shorter than 2 tokens gives back :func:`example_batch`.
+    """
+    prompts = [data.prompt_ids[i] for i in rows]
+    completions = [data.completion_ids[i] for i in rows]
+    masks = (
+        [data.loss_masks[i] for i in rows] if data.loss_masks is not None else [[True] * len(c) for c in completions]
+    )
+    prefix, rests, rest_masks = prefix_split(prompts, completions, masks)
+    if len(prefix) < 2 or len(rows) < 2:
+        mb = example_batch(data, rows, pad_id)
+        return mb, loss_mask(data, rows, mb)
+    p_ids = torch.as_tensor([prefix] * len(rows), dtype=torch.long)
+    c_ids, c_mask = pad_right(rests, pad_id)
+    mask = pad_right([[int(x) for x in m] for m in rest_masks], 0)[0].bool()
+    return ExampleBatch(p_ids, torch.ones_like(p_ids, dtype=torch.bool), c_ids, c_mask.bool(), [0] * len(rows)), mask
+
+
 def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int]):
-    """Step 2: the NLL share of micro-batch ``rows`` under the policy -> ``(loss, {})`` (the loss is the metric)."""
-    mb = example_batch(data, rows, shared.pad_id)
-    mask = loss_mask(data, rows, mb).to(shared.device)  # [B, T]
+    """Step 2: the NLL share of micro-batch ``rows`` under the policy -> ``(loss, {})`` (the loss is the metric).
+    The rows' common prompt prefix runs once (:func:`shared_prefix_batch`)."""
+    mb, mask = shared_prefix_batch(data, rows, shared.pad_id)
+    mask = mask.to(shared.device)  # [B, T]
     with shared.role(POLICY, train=True, dropout=True):
         logprobs, _ = completion_logprobs(shared, mb, temperature=1.0)  # [B, T]
     return completion_nll(logprobs, mask, total_tokens), {}
@@ -190,6 +248,7 @@ class SFT:
             "epoch": (step - 1) * self.recipe.sft.batch_size / len(self.data),
             "completion_tokens": total_tokens,
             "skipped_updates": self.guard.skipped,
+            **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(total_tokens + sum(len(self.data.prompt_ids[i]) for i in rows)),
         }
 

@@ -25,8 +25,8 @@ Every merged, adapter and gguf export passes the fidelity gate (:mod:`.gate`, ru
 ``--gate-n`` held-out prompts, the exported artefact run by its own runtime (transformers, PEFT, llama.cpp) against
 the model as it trained (greedy agreement, task accuracy of each, |delta log-prob| on the same tokens), written to
 ``gate.json`` and the model card; ``--gate MIN`` fails the export below a minimum agreement (nothing is written),
-the default warns. :func:`measure_nf4_gap` (:mod:`.gap`) is the gate run on a merged export against the NF4 training
-model.
+the default warns. :func:`measure_nf4_gap` (:mod:`.gap`) compares a merged export with the NF4 training model
+(accuracy of each, logits max / mean |diff| and top-1 agreement on the same tokens, identical greedy completions).
 """
 
 from __future__ import annotations

@@ -51,6 +51,12 @@ def _score_batch(module: Any, prompts: list[list[int]], completions: list[list[i
     return [logp[i, :n].tolist() for i, n in enumerate(lens)], [top[i, :n].tolist() for i, n in enumerate(lens)]
 
 
+@torch.no_grad()
+def _logits(module: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The fp32 logits ``[B, T, V]`` of left-padded ``ids`` / ``mask`` ``[B, T]`` (one forward, no cache)."""
+    return module(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False).logits.float()
+
+
 def _batched_scores(fn: Any, prompts: list, completions: list, batch_size: int) -> Scores:
     logps, tops = [], []
     for s in range(0, len(prompts), batch_size):
@@ -105,6 +111,11 @@ class TrainingRuntime:
 
         return _batched_scores(fn, prompts, completions, self.batch_size)
 
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The policy's fp32 logits ``[B, T, V]`` of left-padded ``ids`` / ``mask`` on this runtime's device."""
+        with self.shared.role("policy"):
+            return _logits(self.shared.module, ids.to(self.shared.device), mask.to(self.shared.device))
+
     def close(self) -> None:
         del self.shared
         _free()
@@ -142,6 +153,10 @@ class TransformersRuntime:
             return _score_batch(self.model, p, c, self.pad_id, self.device)
 
         return _batched_scores(fn, prompts, completions, self.batch_size)
+
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The model's fp32 logits ``[B, T, V]`` of left-padded ``ids`` / ``mask`` on this runtime's device."""
+        return _logits(self.model, ids.to(self.device), mask.to(self.device))
 
     def close(self) -> None:
         del self.model

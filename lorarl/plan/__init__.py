@@ -60,6 +60,9 @@ Under the fast decode engine (``generation.engine: fast``, :mod:`lorarl.plan.eng
 allocations, the **graph pool** ``max(dequantized projection + B x layer forward, B V (dt + 16))``; with CUDA graphs
 both are kept between rollouts, so they are persistent terms (in every phase), and the generation moments are the
 prefill of the ``m`` distinct prompts, the copy of their caches to the rows, and the output buffers ``12 B C``.
+The engine keeps two decode states: with a held-out evaluation between steps (``eval.every > 0``) whose batch
+(``eval.batch_size`` rows, ``P + eval.max_new_tokens`` columns) the training state cannot take, its static cache
+is a persistent term too (``eval_static_kv_cache``) and the shared graph pool is the larger of the two steps'.
 
 Scoring (no-grad forwards over the rollout, ``B`` = the scoring rows: GRPO's reference log-probs when
 ``kl_coef > 0``, old log-probs when ``num_iterations > 1``; PPO's old / reference log-probs, values and reward

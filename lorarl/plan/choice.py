@@ -12,7 +12,7 @@ from lorarl.plan.estimate import PlanSettings, estimate_memory, plan_settings
 from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import GB, total_bytes
 
-TRAINING_PHASES = ("training", "critic_training", "optimizer")
+TRAINING_PHASES = ("training", "critic_training", "optimizer", "reference")  # reference: DPO's, micro-batch sized
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -46,7 +46,7 @@ def largest_fitting_generation_batch(shape: ModelShape, s: PlanSettings, micro_b
             continue
         est = estimate_memory(shape, s, micro_batch_size=micro_batch, generation_batch_size=g)
         gen_b = g
-        if total_bytes(max(est["phases"]["generation"], est["phases"]["scoring"])) <= budget:
+        if total_bytes(max(est["phases"].get("generation", 0), est["phases"].get("scoring", 0))) <= budget:
             break
     return gen_b
 

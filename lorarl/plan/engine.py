@@ -5,7 +5,8 @@ The engine allocates a **static KV cache** of ``B x Lc`` columns before decoding
 step at a time. With CUDA graphs (``generation.cuda_graphs``, CUDA only) the step is captured once and replayed;
 everything it allocates lives in the **graph pool** (:func:`~lorarl.plan.terms.decode_step_bytes`), and the cache
 and the pool are **kept between rollouts** (capture then pays off), so both are persistent terms, held in every
-phase. Without graphs both exist only during generation.
+phase. Without graphs both exist only during generation. Two decode states are kept (the training rollout's and
+the held-out evaluation's, :func:`eval_state_size`): with an evaluation between steps its static cache is held too.
 
 Generation moments (``m`` distinct prompts of the call, each prefilled once; ``B`` generation rows):
 
@@ -61,9 +62,46 @@ def fast_static_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[
     }
 
 
+def eval_state_size(s: PlanSettings, z: StepSizes) -> tuple[int, int] | None:
+    """``(rows, columns)`` of the held-out evaluation's decode state when it is kept beside the training one:
+    CUDA graphs on, an evaluation between steps (``eval_batch_size`` rows > 0, ``C_e`` = ``eval_max_new_tokens``
+    or ``C``), and a batch the training state cannot take (the engine reuses a kept state only for the same rows
+    and at most its columns and new tokens, :meth:`lorarl.rollout.fast.state.DecodeState.fits`); else None.
+    ``columns = ceil((P + C_e) / 64) x 64``.
+
+    >>> z = step_sizes(model_shape("llama-3.1-8b"), PlanSettings(prompts_per_step=2))  # 16 rows, P = C = 256
+    >>> s = PlanSettings(engine="fast", eval_batch_size=32, eval_max_new_tokens=100)
+    >>> eval_state_size(s, z), eval_state_size(plan_settings(s, eval_batch_size=16), z)
+    ((32, 384), None)
+    """
+    if not uses_graphs(s) or s.eval_batch_size <= 0:
+        return None
+    new_tokens = s.eval_max_new_tokens or z.new_tokens
+    cols = static_cache_columns(z.prompt_len, new_tokens, GRAPH_BUCKET)
+    if s.algo == "dpo":  # no rollouts: the evaluation's is the only decode state
+        return s.eval_batch_size, cols
+    train_cols = static_cache_columns(z.prompt_len, z.new_tokens, GRAPH_BUCKET)
+    if s.eval_batch_size == z.generation_rows and cols <= train_cols and new_tokens <= z.new_tokens:
+        return None
+    return s.eval_batch_size, cols
+
+
 def fast_persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[str, float]:
-    """The static cache and the graph pool when they are kept between rollouts (CUDA graphs), else nothing."""
-    return fast_static_terms(shape, s, z) if uses_graphs(s) else {}
+    """The static cache and the graph pool when they are kept between rollouts (CUDA graphs), else nothing.
+
+    The engine keeps two decode states (:data:`lorarl.rollout.fast.graphs.KEEP_STATES`): with an evaluation
+    between steps (:func:`eval_state_size`) its own static cache ``B_e x columns x kv`` is held too
+    (``eval_static_kv_cache``), and the graph pool, shared by both states' captured steps (one pool handle; a
+    capture reuses the blocks an earlier one freed), is the larger of their decode steps."""
+    if not uses_graphs(s):
+        return {}
+    terms = fast_static_terms(shape, s, z) if s.algo != "dpo" else {"graph_pool": 0}  # DPO runs no rollouts
+    size = eval_state_size(s, z)
+    if size is not None:
+        rows, cols = size
+        terms["eval_static_kv_cache"] = static_kv_cache_bytes(shape, rows, cols, z.dt)
+        terms["graph_pool"] = max(terms["graph_pool"], decode_step_bytes(shape, rows, z.dt, z.dequantized))
+    return terms if terms["graph_pool"] else {}
 
 
 def fast_generation_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:

@@ -45,7 +45,7 @@ Moments = dict[str, Moment]  # a phase's moments, by name
 class PlanSettings:
     """What one step looks like (the recipe numbers the planner reads)."""
 
-    algo: str = "grpo"  # grpo | ppo
+    algo: str = "grpo"  # grpo | ppo | dpo (lorarl.plan.dpo: prompts_per_step / micro_batch_size count pairs)
     quantization: str = "nf4"  # nf4 | none
     double_quant: bool = True
     dtype_bytes: int = 2  # compute dtype: 2 (bf16 / fp16) or 4 (fp32)
@@ -76,6 +76,15 @@ class PlanSettings:
     packed_training: bool = True
     engine: str = "hf"  # generation.engine: hf (transformers' generate) | fast (static cache, lorarl.plan.engine)
     cuda_graphs: bool = True  # generation.cuda_graphs: the fast engine keeps its cache and graph pool (CUDA only)
+    # held-out evaluation during training (eval.every > 0): rows per greedy generate call (eval.batch_size, at most
+    # eval.n; 0: no evaluation between steps) and its new tokens (eval.max_new_tokens; None: max_new_tokens). With
+    # CUDA graphs its decode state is kept beside the training one (lorarl.plan.engine)
+    eval_batch_size: int = 0
+    eval_max_new_tokens: int | None = None
+    # dpo: padded tokens per length-sorted forward (dpo.max_tokens_per_forward; 0: one forward per micro-batch),
+    # and whether a reference pass runs (every loss type but simpo)
+    max_tokens_per_forward: int = 0
+    dpo_reference: bool = True
     judge: str = "none"  # an LLM-judge reward (lorarl.plan.judge): none | base | adapter | folder
     judge_model: str | None = None  # judge folder: its folder / config.json / known name (its weights count)
     judge_rows: int = 16  # judge prompts per generate call (judge.batch_size)
@@ -83,12 +92,14 @@ class PlanSettings:
 
     @property
     def rows(self) -> int:
-        """Completions per step."""
-        return self.prompts_per_step * (self.group_size if self.algo == "grpo" else 1)
+        """Completions per step (DPO: a chosen and a rejected response per pair)."""
+        return self.prompts_per_step * (self.group_size if self.algo == "grpo" else 2 if self.algo == "dpo" else 1)
 
     @property
     def split_rows(self) -> int:
-        """The rows micro-batches split: the whole step for GRPO, a minibatch for PPO."""
+        """The rows micro-batches split: the whole step for GRPO, a minibatch for PPO, the step's pairs for DPO."""
+        if self.algo == "dpo":
+            return self.prompts_per_step
         return self.rows if self.algo == "grpo" else min(self.rows, self.minibatch_size or self.rows)
 
 
@@ -156,7 +167,7 @@ def persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[s
         persistent["lora_critic_and_head"] = 4 * z.n_critic
         if s.reward_model:
             persistent["lora_reward_and_head_frozen"] = 4 * (z.n_policy + head_params(shape))
-    if s.reference_adapter and s.kl_coef > 0:
+    if s.reference_adapter and (s.kl_coef > 0 or (s.algo == "dpo" and s.dpo_reference)):
         persistent["lora_reference_frozen"] = 4 * z.n_policy
     persistent["adam_states"] = 8 * (z.n_policy + z.n_critic)
     persistent["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if s.device == "cuda" else 0
@@ -325,7 +336,16 @@ def peak_moment(moments: Moments) -> tuple[str, Moment]:
 
 
 def phase_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[str, Moments]:
-    """Every phase's moments in the order a step runs them (``critic_training`` for PPO only)."""
+    """Every phase's moments in the order a step runs them (``critic_training`` for PPO only; DPO:
+    ``reference``, ``training``, ``optimizer``, :mod:`lorarl.plan.dpo`)."""
+    if s.algo == "dpo":
+        from lorarl.plan.dpo import dpo_reference_moments, dpo_training_moments
+
+        return {
+            "reference": dpo_reference_moments(shape, s, z),
+            "training": dpo_training_moments(shape, s, z),
+            "optimizer": optimizer_moments(z),
+        }
     phases = {
         "generation": generation_moments(shape, s, z),
         "scoring": scoring_moments(shape, s, z),
@@ -375,8 +395,8 @@ def estimate_memory(shape: ModelShape, settings: PlanSettings | None = None, **o
     A phase's bytes are the persistent terms plus that phase's terms at its peak moment.
     """
     s = plan_settings(settings, **overrides)
-    if s.algo not in ("grpo", "ppo"):
-        raise LorarlError(f"plan: algo must be grpo or ppo, got {s.algo!r}")
+    if s.algo not in ("grpo", "ppo", "dpo"):
+        raise LorarlError(f"plan: algo must be grpo, ppo or dpo, got {s.algo!r}")
     z = step_sizes(shape, s)
     phases, breakdown, moments = phase_peaks(persistent_terms(shape, s, z), phase_moments(shape, s, z))
     peak_phase = max(phases, key=phases.get)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config import GRPOConfig, PPOConfig
+from lorarl.config.algorithms import DPOConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import pick_micro_batch
 from lorarl.plan.estimate import PlanSettings, estimate_memory
@@ -33,10 +34,12 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
     if recipe.data.source == "arithmetic":
         prompt_len = min(prompt_len, ARITHMETIC_PROMPT_TOKENS)
     mb = recipe.train.micro_batch_size
-    algo = recipe.algo if recipe.algo in ("grpo", "ppo") else "grpo"
+    algo = recipe.algo if recipe.algo in ("grpo", "ppo", "dpo") else "grpo"
     g = recipe.generation
     grpo = recipe.grpo if recipe.grpo is not None else GRPOConfig()
     ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
+    if algo == "dpo":
+        return dpo_settings(recipe, device_type, quant, dtype_bytes)
     return PlanSettings(
         algo=algo,
         quantization=quant,
@@ -61,7 +64,42 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
         device=device_type,
         engine=g.engine,
         cuda_graphs=g.cuda_graphs,
+        eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if recipe.eval.every > 0 else 0,
+        eval_max_new_tokens=recipe.eval.max_new_tokens,
         **judge_settings(recipe, prompt_len, grpo.group_size if algo == "grpo" else 1),
+    )
+
+
+def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> PlanSettings:
+    """A DPO recipe (:mod:`lorarl.plan.dpo`): ``dpo.batch_size`` pairs per step, ``train.micro_batch_size`` pairs
+    per micro-batch, rows of ``dpo.max_length`` tokens (the longest pair kept) split into a prompt of
+    ``min(data.max_prompt_tokens, max_length // 2)`` tokens and the response; the held-out task evaluation
+    (``dpo.task_source``) decodes ``eval.max_new_tokens`` (else ``generation.max_new_tokens``)."""
+    m, d = recipe.model, recipe.dpo if recipe.dpo is not None else DPOConfig()
+    prompt_len = min(recipe.data.max_prompt_tokens, d.max_length // 2)
+    mb = recipe.train.micro_batch_size
+    evaluates = d.task_source is not None and recipe.eval.every > 0
+    return PlanSettings(
+        algo="dpo",
+        quantization=quant,
+        dtype_bytes=dtype_bytes,
+        lora_r=recipe.lora.r,
+        lora_targets=recipe.lora.target_modules,
+        group_size=1,
+        prompts_per_step=d.batch_size,
+        prompt_len=prompt_len,
+        max_new_tokens=d.max_length - prompt_len,
+        micro_batch_size=mb if isinstance(mb, int) else 1,
+        logprob_chunk_size=m.logprob_chunk_size,
+        gradient_checkpointing=m.gradient_checkpointing,
+        reference_adapter=bool(m.init_adapter),
+        device=device_type,
+        engine=recipe.generation.engine,
+        cuda_graphs=recipe.generation.cuda_graphs,
+        eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if evaluates else 0,
+        eval_max_new_tokens=recipe.eval.max_new_tokens or recipe.generation.max_new_tokens,
+        max_tokens_per_forward=d.max_tokens_per_forward,
+        dpo_reference=d.loss_type != "simpo",
     )
 
 
@@ -129,7 +167,11 @@ def format_plan(result: dict[str, Any]) -> str:
     lines = [
         f"plan for {result['recipe']} on {result['model']} (budget {result['budget_gb']:g} GB)",
         f"  micro-batch: {result['micro_batch_size']} as written, {result['picked_micro_batch_size']} picked; "
-        f"generation batch picked: {result['picked_generation_batch_size']}",
+        + (
+            "DPO: micro-batches count pairs, no generation"
+            if result["settings"].get("algo") == "dpo"
+            else f"generation batch picked: {result['picked_generation_batch_size']}"
+        ),
     ]
     for phase, gb in result["phases_gb"].items():
         terms = result["breakdown_gb"].get(phase, {})
@@ -153,10 +195,20 @@ def decode_engine_line(result: dict[str, Any]) -> str:
     if s.get("engine") != "fast":
         return "  decode engine: hf (transformers' generate; its KV cache grows during generation)"
     persistent = result["breakdown_gb"]["persistent"]
+    if s.get("algo") == "dpo":
+        ev = persistent.get("eval_static_kv_cache")
+        if ev is None:
+            return "  decode engine: fast (DPO decodes only for its held-out task evaluation, after the step)"
+        return (
+            f"  decode engine: fast, CUDA graphs: held-out evaluation's static KV cache {ev:.2f} GB + graph pool "
+            f"{persistent['graph_pool']:.2f} GB, held between evaluations (in every phase above)"
+        )
     if "static_kv_cache" in persistent:
         cache, pool = persistent["static_kv_cache"], persistent["graph_pool"]
+        ev = persistent.get("eval_static_kv_cache")
+        ev_text = f" + held-out evaluation's static KV cache {ev:.2f} GB" if ev else ""
         return (
-            f"  decode engine: fast, CUDA graphs: static KV cache {cache:.2f} GB + graph pool {pool:.2f} GB, "
+            f"  decode engine: fast, CUDA graphs: static KV cache {cache:.2f} GB{ev_text} + graph pool {pool:.2f} GB, "
             "held between rollouts (in every phase above)"
         )
     gen = result["breakdown_gb"].get("generation", {})

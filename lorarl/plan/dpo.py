@@ -1,0 +1,86 @@
+"""DPO's step (:mod:`lorarl.algos.dpo`) for the planner: no generation, a no-grad reference pass and the policy's
+forward + backward over preference pairs.
+
+A step takes ``train.prompts_per_step`` = ``dpo.batch_size`` pairs; a micro-batch holds ``b`` pairs
+(``train.micro_batch_size``), i.e. ``R = 2b`` rows (each pair's chosen and rejected response behind its prompt), each
+at most ``T = P + C`` tokens (``dpo.max_length``, the longest pair the loader keeps). The rows run in length-sorted
+groups of at most ``M = dpo.max_tokens_per_forward`` padded tokens (:func:`lorarl.algos.reward_model.length_groups`),
+so with every row at ``T`` a group holds ``g = min(R, max(1, M // T))`` rows (``M = 0``: one group, ``g = R``).
+Prompt sharing between the two rows of a pair is left out, so the figures are an upper bound.
+
+* ``reference`` (no gradients, adapters off or the frozen ``model.init_adapter``; none for ``loss_type: simpo``;
+  with ``precompute_ref_log_probs`` the same pass runs once over every pair before step 1, so its peak is the same):
+  per group, the hidden states ``2 g T H dt`` + one layer's forward over ``g T`` tokens + the attention mask
+  ``g T^2``, or the hidden states + one chunk of logits ``g c V max(8, dt + 4)``.
+* ``training`` (policy, gradients): every group's graph lives until the micro-batch's loss runs backward, so what a
+  forward keeps is held for all ``R T`` tokens: the LoRA gradients ``4 n`` + the checkpoints ``L R T H dt`` (without
+  checkpointing every layer's saved activations) + the final hidden states ``R T H dt``; on top, the larger of one
+  group's chunk of logits recomputed in backward (``g c V (dt + 12)``, no entropy) and one group's layer recomputed
+  with its backward (``g T x`` per-layer bytes + a dequantized projection + the mask ``3 g T^2``).
+* ``optimizer``: as for GRPO.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lorarl.plan.shapes import ModelShape
+from lorarl.plan.terms import (
+    checkpoint_bytes,
+    final_hidden_bytes,
+    layer_forward_bytes,
+    scoring_logits_bytes,
+    train_logits_bytes,
+)
+
+if TYPE_CHECKING:
+    from lorarl.plan.estimate import Moments, PlanSettings, StepSizes
+
+
+def dpo_rows(s: PlanSettings, z: StepSizes) -> tuple[int, int]:
+    """``(R, g)``: rows of a micro-batch (``2 x`` its pairs) and rows of one length-sorted forward at ``T`` tokens.
+
+    >>> dpo_rows(PlanSettings(algo="dpo", max_tokens_per_forward=2048), z)  # b = 8 pairs, T = 512
+    (16, 4)
+    """
+    rows = 2 * z.micro_batch
+    if s.max_tokens_per_forward <= 0:
+        return rows, rows
+    return rows, min(rows, max(1, s.max_tokens_per_forward // z.seq_len))
+
+
+def dpo_reference_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:
+    """The reference's no-grad pass over one group (see the module doc); none without a reference."""
+    if not s.dpo_reference:
+        return {}
+    _, g = dpo_rows(s, z)
+    T = z.seq_len
+    hidden = 2 * g * T * shape.hidden_size * z.dt
+    return {
+        "layer": {
+            "hidden_states": hidden,
+            "layer_forward": layer_forward_bytes(shape, z.dt, g * T, s.reference_adapter, z.dequantized),
+            "attention_mask": g * T * T,
+        },
+        "logits": {"hidden_states": hidden, "logits_chunk": scoring_logits_bytes(shape, g, z.chunk, z.dt)},
+    }
+
+
+def dpo_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:
+    """The policy's forward + backward over one micro-batch (see the module doc)."""
+    rows, g = dpo_rows(s, z)
+    T, tok = z.seq_len, rows * z.seq_len
+    if s.gradient_checkpointing:
+        kept = {"lora_grads": 4 * z.n_policy, "checkpoints": checkpoint_bytes(shape, tok, z.dt)}
+    else:
+        kept = {"lora_grads": 4 * z.n_policy, "saved_activations": shape.num_hidden_layers * tok * z.per_layer}
+    kept["final_hidden"] = final_hidden_bytes(shape, tok, z.dt)
+    return {
+        "logits": {**kept, "logits_chunk": train_logits_bytes(shape, g, z.chunk, z.dt, False)},
+        "layer": {
+            **kept,
+            "layer_recompute": g * T * z.per_layer if s.gradient_checkpointing else 0,
+            "dequantized_weight": z.dequantized,
+            "attention_mask": 3 * g * T * T,
+        },
+    }
