@@ -192,7 +192,7 @@ def test_unbiased_kl_at_token_level_equals_trls_bias_corrected_kl():
     )
     ours.backward()
     theirs.backward()
-    assert float(ours) == pytest.approx(float(theirs), rel=1e-12)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-12)
     torch.testing.assert_close(lp_a.grad, lp_b.grad, rtol=1e-10, atol=1e-12)
 
 
@@ -220,7 +220,7 @@ def test_tis_weights_and_weighted_loss_equal_trls(level, eps):
     theirs, _ = _trl_loss(lp_b, old, adv, mask, level=level, eps_low=eps[0], eps_high=eps[1], is_ratio=trl_ratio)
     ours.backward()
     theirs.backward()
-    assert float(ours) == pytest.approx(float(theirs), rel=1e-12)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-12)
     torch.testing.assert_close(lp_a.grad, lp_b.grad, rtol=1e-10, atol=1e-12)
     s, n = stats["tis_truncated"]
     assert s / n == pytest.approx(float((w[mask] >= cap).double().mean()))
@@ -246,7 +246,7 @@ def test_default_grpo_token_loss_is_the_ppo_clip_formula():
     # row 1 (A = -2): r = e^-0.4 = 0.6703 -> clipped at 0.8 (no grad); e^0.05 = 1.0513: unclipped
     row0 = [-1.2 * 0.5, -math.exp(-0.1) * 0.5, -1.0 * 0.5]
     row1 = [0.8 * 2.0, math.exp(0.05) * 2.0]
-    assert float(loss) == pytest.approx((sum(row0) / 3 + sum(row1) / 2) / 2, rel=1e-12)
+    assert float(loss.detach()) == pytest.approx((sum(row0) / 3 + sum(row1) / 2) / 2, rel=1e-12)
     want_grad = [[0.0, -math.exp(-0.1) * 0.5 / 3 / 2, -0.5 / 3 / 2], [0.0, math.exp(0.05) * 2.0 / 2 / 2, 0.0]]
     torch.testing.assert_close(lp.grad, torch.tensor(want_grad, dtype=D), rtol=1e-12, atol=1e-15)
 
@@ -316,7 +316,7 @@ def test_default_grpo_loss_through_the_model_equals_the_formula(policy_rollout):
         want.backward()
     clipped = ((ratio > 1.2) & (a > 0)) | ((ratio < 0.8) & (a < 0))
     assert clipped[mask].any() and (~clipped)[mask].any()
-    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
     for g, p in zip(got, params):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
         p.grad = None
