@@ -314,7 +314,7 @@ def test_policy_and_critic_losses_are_token_means_over_the_minibatch(ppo_algo):
     total = 0.0
     for part in (rows[:2], rows[2:]):
         loss, stats = policy_loss(algo.shared, cfg, 1.0, batch, None, ("rl", part, denom))
-        total += float(loss)
+        total += float(loss.detach())
     assert total == pytest.approx(want_policy, abs=1e-5)
     closs, _ = critic_loss(algo.shared, cfg, batch, ("rl", rows, denom))
     assert float(closs) == pytest.approx(cfg.critic.vf_coef * 2.0, abs=1e-5)
