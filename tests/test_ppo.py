@@ -335,7 +335,7 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy(ppo_algo):
     with torch.no_grad(), algo.shared.role("policy"):
         logits = algo.shared.module(input_ids=r.input_ids, attention_mask=r.attention_mask).logits
     ent = entropy_from_logits(logits[:, r.prompt_ids.shape[1] - 1 : -1].float())[batch.mask]
-    assert float(bonus) - float(base) == pytest.approx(-0.3 * float(ent.mean()), abs=1e-5)  # a bonus: lower loss
+    assert float(bonus.detach()) - float(base.detach()) == pytest.approx(-0.3 * float(ent.mean()), abs=1e-5)  # a bonus: lower loss
     assert stats["entropy"][0] / stats["entropy"][1] == pytest.approx(float(ent.mean()), abs=1e-5)
 
 
@@ -353,7 +353,7 @@ def test_ptx_term_is_coef_times_the_texts_mean_nll(ppo_algo, tmp_path):
         with torch.no_grad(), algo.shared.role("policy"):
             logits = algo.shared.module(input_ids=x).logits[0, :-1].float()
         nll += (-torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)).tolist()
-    assert float(loss) == pytest.approx(0.5 * sum(nll) / len(nll), abs=1e-5)  # a token mean over both texts
+    assert float(loss.detach()) == pytest.approx(0.5 * sum(nll) / len(nll), abs=1e-5)  # a token mean over both texts
     assert stats["ptx_loss"][0] == pytest.approx(sum(nll) / len(nll), abs=1e-5)
 
 
