@@ -20,30 +20,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from lorarl.bench.synthetic import tiny_llama_folder
 
-    from lorarl.model import load_tokenizer
-    from lorarl.model.registry import DEFAULT_MODEL, convert_embedded
-
-    tok = load_tokenizer(str(convert_embedded(DEFAULT_MODEL)))
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    return folder
+    return tiny_llama_folder(folder, seed=seed, hidden=hidden, layers=layers)
 
 
 @pytest.fixture(scope="session")

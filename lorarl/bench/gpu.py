@@ -134,30 +134,9 @@ def tiny_model_folder(folder: Path) -> Path:
     (reused when present): the smoke mode's model where a part needs real text (the arithmetic task)."""
     if (folder / "config.json").is_file():
         return folder
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from lorarl.bench.synthetic import tiny_llama_folder
 
-    from lorarl.model import load_tokenizer
-    from lorarl.model.registry import DEFAULT_MODEL, convert_embedded
-
-    tok = load_tokenizer(str(convert_embedded(DEFAULT_MODEL)))
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    return folder
+    return tiny_llama_folder(folder)
 
 
 def device_slug(device) -> str:

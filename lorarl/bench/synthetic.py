@@ -11,7 +11,9 @@ and step) on a randomly initialised model with no tokenizer files and no trained
 * :func:`write_id_prompts` writes such prompts as a ``.jsonl`` data source, with controlled lengths;
 * :func:`hashed_reward` gives each completion a reproducible reward in [0, 1) from a hash of its text, so groups
   have a spread (GRPO skips rows whose advantage is exactly 0, which would leave training unmeasured);
-* :func:`add_random_reward_adapter` makes a frozen reward adapter + score head for ``reward.adapter``.
+* :func:`add_random_reward_adapter` makes a frozen reward adapter + score head for ``reward.adapter``;
+* :func:`tiny_llama_folder` saves a tiny random Llama with the embedded model's real tokenizer (the test suite's
+  model, and ``lorarl bench gpu --smoke``'s where a part needs real text).
 """
 
 from __future__ import annotations
@@ -164,4 +166,32 @@ def add_random_reward_adapter(shared, folder: Path, lora: LoraSettings, seed: in
         for p in shared.adapter_parameters("reward"):
             p.add_(torch.randn_like(p) * 0.01)  # LoRA B starts at 0: make the adapter change the scores
     shared.save_adapter("reward", folder)
+    return folder
+
+
+def tiny_llama_folder(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """A random-init Llama (``hidden`` wide, ``layers`` deep, ``torch.manual_seed(seed)``) with the embedded default
+    model's tokenizer, saved at ``folder`` as a transformers folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lorarl.model import load_tokenizer
+    from lorarl.model.registry import DEFAULT_MODEL, convert_embedded
+
+    tok = load_tokenizer(str(convert_embedded(DEFAULT_MODEL)))
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
     return folder
