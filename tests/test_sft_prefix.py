@@ -68,7 +68,7 @@ def test_shared_prefix_loss_and_gradients_equal_the_full_logits_path(tiny_model_
                 p.grad = None
             loss = compute()
             loss.backward()
-            results.append((float(loss), [p.grad.clone() for p in algo.policy.params]))
+            results.append((float(loss.detach()), [p.grad.clone() for p in algo.policy.params]))
     (want, want_g), (got, got_g) = results
     assert got == pytest.approx(want, rel=1e-5)
     assert all(g.abs().sum() > 0 for g in want_g)
