@@ -73,7 +73,11 @@ def cmd_train(args) -> int:
 
         resolve_agent(recipe.agent, recipe.source_path)
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
+    from lorarl.runstate import check_not_live
+
+    check_not_live(out)  # never --force away (or resume into) a folder another process is training
+    # the workbench (lorarl.app.jobs) opens DIR/train.log for this process's output before it starts: not a run yet
+    if out.exists() and any(p.name != "train.log" for p in out.iterdir()) and not args.resume:
         if not args.force:
             raise LorarlError(
                 f"{out}: run directory is not empty; pass --resume to continue it or --force to start over"
@@ -135,7 +139,15 @@ def cmd_export(args) -> int:
 def cmd_chat(args) -> int:
     from lorarl.chat import launch
 
-    launch(runs_dir=args.runs, host=args.host, port=args.port, model=args.model, share=False)
+    launch(
+        runs_dir=args.runs,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        share=False,
+        workbench=not args.chat_only,
+        recipe_dirs=args.recipes,
+    )
     return 0
 
 
@@ -258,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=7860)
     c.add_argument("--model", default=None, help="base model (default: the runs' base, else the embedded default)")
+    c.add_argument(
+        "--recipes",
+        action="append",
+        default=None,
+        help="a folder of recipes the Train tab offers (repeatable; default: the shipped recipes/)",
+    )
+    c.add_argument("--chat-only", action="store_true", help="only the chat, without the Train / Watch / Export tabs")
     c.set_defaults(func=cmd_chat)
 
     dr = sub.add_parser("doctor", help="a health report of a run (reward, accuracy, KL, entropy, length, warnings)")

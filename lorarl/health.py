@@ -252,8 +252,8 @@ class HealthMonitor:
         ]
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to keep warning as an uninterrupted one would (the weights' starting point
-        becomes the resumed weights)."""
+        """What a resumed run needs to keep warning as an uninterrupted one would (the weights' starting point is
+        not kept: the run loop builds the monitor from the seeded set-up's weights, before the checkpoint loads)."""
         return {
             "updated_steps": self.updated_steps,
             "no_signal_run": self.no_signal_run,

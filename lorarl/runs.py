@@ -8,6 +8,8 @@ Layout of a run directory (``lorarl train RECIPE --out DIR``)::
     DIR/<role>/                          final adapters (policy/, critic/, reward/): PEFT folders (+ head.safetensors)
     DIR/checkpoints/step-NNNNNN/         step checkpoints (see lorarl.checkpoint), complete when COMPLETE exists
     DIR/best/                            with train.keep_best: a copy of the best checkpoint by the chosen metric
+    DIR/completions.jsonl                a few sampled completions per step (train.log_completions)
+    DIR/state.json, DIR/train.pid        how far the run got; the process training it (lorarl.runstate)
 
 **Finding the adapter of a role** in a path given by a user (:func:`find_adapter`), in this order:
 

@@ -366,3 +366,15 @@ def test_recipe_checks(tiny_model_dir, tmp_path):
         from lorarl.algos.dpo import DPO
 
         DPO(recipe, SharedBase.load(recipe.model))
+
+
+def test_auto_micro_batch_is_the_planners_pick(tiny_model_dir, tmp_path):
+    """``train.micro_batch_size: auto`` takes the planner's pick (on CPU: at most 8 pairs), not 16 pairs."""
+    from lorarl.algos import make_algorithm
+    from lorarl.model import SharedBase
+    from lorarl.plan import resolve_micro_batch
+
+    path = dpo_recipe(tiny_model_dir, tmp_path, dpo={"batch_size": 16}, train={"micro_batch_size": "auto"})
+    recipe = load_recipe(path)
+    algo = make_algorithm(recipe, SharedBase.load(recipe.model))
+    assert algo.mbs == resolve_micro_batch(recipe, device_type="cpu") == 8

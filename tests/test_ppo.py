@@ -335,7 +335,9 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy(ppo_algo):
     with torch.no_grad(), algo.shared.role("policy"):
         logits = algo.shared.module(input_ids=r.input_ids, attention_mask=r.attention_mask).logits
     ent = entropy_from_logits(logits[:, r.prompt_ids.shape[1] - 1 : -1].float())[batch.mask]
-    assert float(bonus.detach()) - float(base.detach()) == pytest.approx(-0.3 * float(ent.mean()), abs=1e-5)  # a bonus: lower loss
+    assert float(bonus.detach()) - float(base.detach()) == pytest.approx(
+        -0.3 * float(ent.mean()), abs=1e-5
+    )  # a bonus: lower loss
     assert stats["entropy"][0] / stats["entropy"][1] == pytest.approx(float(ent.mean()), abs=1e-5)
 
 

@@ -161,6 +161,15 @@ def test_max_length_drops_long_pairs_and_margins(tmp_path, tok):
     assert len(ps.chosen_ids) == len(ps.rejected_ids) == 1
 
 
+def test_identical_pairs_are_left_out_and_counted(tmp_path, tok):
+    rows = [{"prompt": [U], "chosen": [A4], "rejected": [A4]}, {"prompt": [U], "chosen": [A4], "rejected": [A5]}]
+    ps = load_preferences(str(write_jsonl(tmp_path / "same.jsonl", rows)), tok)
+    assert len(ps) == 1 and ps.pairs[0]["rejected"][0]["content"] == "5"
+    assert ps.skipped == [(0, "row 0: columns 'chosen' and 'rejected' are the same response")]
+    with pytest.raises(DataError, match="no usable preference pairs.*same response"):
+        load_preferences(str(write_jsonl(tmp_path / "only.jsonl", rows[:1])), tok)
+
+
 # ------------------------------------------------------------------ the shipped set
 
 

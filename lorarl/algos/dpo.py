@@ -37,7 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lorarl.algos.base import batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
+from lorarl.algos.base import (
+    batch_indices,
+    evaluate_policy,
+    micro_batch_rows,
+    planned_micro_batch,
+    tail_mean,
+    trained_role,
+)
 from lorarl.algos.dpo_scoring import implicit_reward_metrics, pair_metrics, pair_tokens, response_logps, role_logps
 from lorarl.config import Recipe
 from lorarl.core.preference_losses import REFERENCE_FREE, PairLogps, preference_loss
@@ -158,7 +165,7 @@ class DPO:
         self.last_step = self.total_steps  # the loop lowers it for --max-steps
         self.policy = trained_role(shared, POLICY, tcfg, self.total_steps)
         self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
-        self.mbs = micro_batch_rows(tcfg.micro_batch_size, B)
+        self.mbs = micro_batch_rows(tcfg.micro_batch_size, B, planned_micro_batch(recipe, shared.device.type))
         self.max_tokens = cfg.max_tokens_per_forward
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
         self.loss_fn = loss_of(recipe)

@@ -47,6 +47,7 @@ from lorarl.algos.grpo_sampling import (
     round_prompts,
     select_scores,
 )
+from lorarl.algos.samples import completion_samples
 from lorarl.algos.tis import tis_engages, tis_metrics
 from lorarl.config import GRPOConfig, Recipe
 from lorarl.core.advantages import group_advantages
@@ -257,6 +258,7 @@ class GRPO:
         self.precision = base_precision(recipe, shared.device.type)
         self.tis_active = cfg.tis.mode == "always"  # auto: switched on by the first parity check above tolerance
         self.drawn_rewards: list[torch.Tensor] = []  # dynamic sampling: the rewards of every round of the step
+        self.samples: list[dict] = []  # the last step's logged completions (lorarl.algos.samples)
 
     def batch(self, step: int) -> GRPOBatch:
         """1. A batch of prompts, derived from ``(seed, step)``."""
@@ -406,7 +408,8 @@ class GRPO:
         if self.has_ref_adapter and cfg.kl.ref_refresh_every > 0 and step % cfg.kl.ref_refresh_every == 0:
             shared.copy_adapter(POLICY, REFERENCE)
 
-        # 8. Metrics -------------------------------------------------------------------------------------------
+        # 8. Metrics; the first train.log_completions rows as text (the loop writes them to completions.jsonl) ----
+        self.samples = completion_samples(shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions)
         lengths = rollout.lengths.float()
         valid = ~torch.isnan(scored.total)
         return {

@@ -7,8 +7,14 @@
 3. resume: the newest complete checkpoint, when asked;
 4. each step: seed the RNGs from ``(seed, step)``, take the step's batch, run the algorithm's ``step``, add timing
    and memory; every ``eval.every`` steps a held-out evaluation (the best kept in ``DIR/best`` by
-   ``train.keep_best``); the health checks (:mod:`lorarl.health`); log; a checkpoint every ``train.save_every``;
+   ``train.keep_best``); the health checks (:mod:`lorarl.health`); log (and a few completions:
+   ``train.log_completions``); a checkpoint every ``train.save_every``;
 5. the algorithm's final adapters, a plot, and a summary (returned; the CLI prints it as the last stdout line).
+
+Run control (:mod:`lorarl.runstate`): ``train.pid`` names the training process while it runs, ``state.json`` says
+``running`` / ``stopped`` / ``finished`` / ``crashed`` and the step. SIGTERM (``lorarl.runstate.request_stop``, the
+workbench's Stop) ends the run after the current step with a checkpoint of it and state ``stopped``; ``--resume``
+continues it bit-identically.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from lorarl.model import SharedBase
 from lorarl.model.host_memory import release_freed_tensors
 from lorarl.phases import phase, recording
 from lorarl.rollout.fast import engine_metrics
+from lorarl.runs import latest_checkpoint
+from lorarl.runstate import CompletionsLog, StopRequest, check_not_live, clear_pid, mark_crashed, write_pid, write_state
 
 
 @dataclass
@@ -162,7 +170,6 @@ def restore(run_dir: Path, algo: Algorithm, shared: SharedBase) -> LoopState:
     """The newest complete checkpoint of ``run_dir`` loaded into the adapters, optimizers, schedulers, RNGs and the
     algorithm; a fresh :class:`LoopState` when there is none."""
     from lorarl.checkpoint import load_checkpoint
-    from lorarl.runs import latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -193,20 +200,82 @@ def after_step(step: int, row: dict, ctx: dict) -> bool:
     return evaluated
 
 
+def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict], bool]:
+    """Step 4: the steps after ``start_step`` through ``ctx["last_step"]``; each logged (``metrics.jsonl``, a few
+    completions in ``completions.jsonl``), checkpointed every ``train.save_every``, and ``state.json`` updated.
+    A stop request (SIGTERM) ends the loop after the current step with a checkpoint of it, unless it was the last
+    step. Returns the rows of this run's steps and whether it stopped early."""
+    from tqdm.auto import tqdm
+
+    recipe, algo, loop, shared, run_dir = ctx["recipe"], ctx["algo"], ctx["loop"], ctx["shared"], ctx["run_dir"]
+    last_step, logger, samples, bar = ctx["last_step"], ctx["logger"], ctx["samples"], ctx["bar"]
+    history: list[dict] = []
+    for step in range(start_step + 1, last_step + 1):
+        if stop.requested:  # asked during set-up: nothing changed since the last checkpoint
+            return history, True
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        torch.manual_seed(step_seed(recipe.train.seed, step))
+        with recording() as phases:
+            row = algo.step(algo.batch(step))
+        step_time = time.perf_counter() - t0
+        row.update({f"time/{name}": seconds for name, seconds in phases.seconds.items()})
+        row["step_time"] = step_time
+        row["step_cpu_s"] = time.process_time() - cpu0  # CPU seconds of this process (all threads)
+        if "tokens" in row:
+            row["tokens_per_s"] = row.pop("tokens") / max(step_time, 1e-9)
+        row["peak_mem_gb"] = peak_memory_gb(shared.device)
+        row.update(engine_metrics(shared))  # the fast engine's CUDA-graph captures / failures / eager fallbacks
+        loop.step = step
+        log_now = after_step(step, row, ctx)
+        history.append(row)
+        if step % recipe.train.log_every == 0 or step == last_step or log_now:
+            logger.log(step, row)
+        samples.log(step, getattr(algo, "samples", []))  # GRPO / PPO: train.log_completions rows of this step
+        bar.set_postfix(algo.progress(row))
+        bar.update(1)
+        stopping = stop.requested and step < last_step
+        save_every = recipe.train.save_every
+        if stopping or (save_every > 0 and (step % save_every == 0 or step == last_step)):
+            save(run_dir, algo, shared, loop, recipe)
+        if stopping:
+            tqdm.write(f"step {step}: stop requested: checkpoint saved; `lorarl train --resume` continues")
+            return history, True
+        write_state(run_dir, "running", step, last_step)
+    return history, False
+
+
 def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None) -> dict:
     """Train ``recipe``'s algorithm; write the run directory ``out_dir``; return a summary.
 
-    ``out_dir`` gets ``recipe.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/step-NNNNNN/`` (every
-    ``train.save_every`` steps), and at the end the trained adapters (``policy/``, ``critic/``, ``reward/``) and
-    ``plot.png``. ``resume`` continues from the newest checkpoint; ``max_steps`` stops after that step (the LR
-    schedule still spans the whole run).
+    ``out_dir`` gets ``recipe.yaml``, ``metrics.jsonl``, ``completions.jsonl``, ``tb/``, ``checkpoints/step-NNNNNN/``
+    (every ``train.save_every`` steps), and at the end the trained adapters (``policy/``, ``critic/``, ``reward/``)
+    and ``plot.png``. ``resume`` continues from the newest checkpoint; ``max_steps`` stops after that step (the LR
+    schedule still spans the whole run). While it runs, ``train.pid`` names this process and ``state.json`` says how
+    far it got (:mod:`lorarl.runstate`). SIGTERM stops it after the current step with a checkpoint (state
+    ``stopped``, no final adapters; the summary has ``"stopped": true``); an exception leaves state ``crashed``.
     """
+    t_start = time.perf_counter()
+    check_trackers(recipe.train.report_to)  # a tracker that is not installed fails before the model loads
+    check_not_live(out_dir)  # another process is training this folder
+    run_dir = start_run(recipe, out_dir)
+    write_pid(run_dir)
+    try:
+        with StopRequest() as stop:
+            return train_in(recipe, run_dir, resume, max_steps, stop, t_start)
+    except BaseException as e:
+        mark_crashed(run_dir, e, default_last_step=max_steps or recipe.train.steps)
+        raise
+    finally:
+        clear_pid(run_dir)
+
+
+def train_in(
+    recipe: Recipe, run_dir: Path, resume: bool, max_steps: int | None, stop: StopRequest, t_start: float
+) -> dict:
+    """:func:`train` in the run directory ``run_dir`` made by :func:`start_run`."""
     from tqdm.auto import tqdm
 
-    t_start = time.perf_counter()
-    # 1-2. Run directory, seeds; the shared base and the algorithm's set-up on it ---------------------------
-    check_trackers(recipe.train.report_to)  # a tracker that is not installed fails before the model loads
-    run_dir = start_run(recipe, out_dir)
+    # 2. The shared base and the algorithm's set-up on it --------------------------------------------------
     shared = SharedBase.load(recipe.model)
     algo = make_algorithm(recipe, shared)
     if hasattr(algo, "source"):  # an LLM judge logs a sample of its prompts and answers to run_dir/judge.jsonl
@@ -214,58 +283,56 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     last_step = min(algo.total_steps, max_steps) if max_steps else algo.total_steps
     algo.last_step = last_step  # the step that ends this run (an algorithm may evaluate there)
 
+    # the adapter the health monitor watches, from its starting weights (set-up is seeded: a resumed run's are the
+    # same, so health/adapter_delta reads as in an uninterrupted run)
+    params = shared.trainable_parameters(algo.outputs[0])
+    monitor = HealthMonitor.from_recipe(recipe, params)
+
     # 3. Resume ---------------------------------------------------------------------------------------------
     loop = restore(run_dir, algo, shared) if resume else LoopState()
     start_step = loop.step
-    params = shared.trainable_parameters(algo.outputs[0])  # the adapter the health monitor watches
-    monitor = HealthMonitor.from_recipe(recipe, params)
+    write_state(run_dir, "running", start_step, last_step)
     if loop.health:
         monitor.load_state_dict(loop.health)
     ctx = dict(recipe=recipe, algo=algo, loop=loop, last_step=last_step, run_dir=run_dir, shared=shared)
     ctx.update(monitor=monitor, params=params)
-    logger = MetricsLogger.for_recipe(run_dir, recipe, resume_step=start_step if resume else None)
-    bar = tqdm(total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True)
-    history: list[dict] = []
+    ctx["logger"] = MetricsLogger.for_recipe(run_dir, recipe, resume_step=start_step if resume else None)
+    ctx["samples"] = CompletionsLog(run_dir, resume_step=start_step if resume else None)
+    ctx["bar"] = tqdm(total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True)
 
     # 4. The steps ------------------------------------------------------------------------------------------
     try:
-        for step in range(start_step + 1, last_step + 1):
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            torch.manual_seed(step_seed(recipe.train.seed, step))
-            with recording() as phases:
-                row = algo.step(algo.batch(step))
-            step_time = time.perf_counter() - t0
-            row.update({f"time/{name}": seconds for name, seconds in phases.seconds.items()})
-            row["step_time"] = step_time
-            row["step_cpu_s"] = time.process_time() - cpu0  # CPU seconds of this process (all threads)
-            if "tokens" in row:
-                row["tokens_per_s"] = row.pop("tokens") / max(step_time, 1e-9)
-            row["peak_mem_gb"] = peak_memory_gb(shared.device)
-            row.update(engine_metrics(shared))  # the fast engine's CUDA-graph captures / failures / eager fallbacks
-            loop.step = step
-            log_now = after_step(step, row, ctx)
-            history.append(row)
-            if step % recipe.train.log_every == 0 or step == last_step or log_now:
-                logger.log(step, row)
-            bar.set_postfix(algo.progress(row))
-            bar.update(1)
-            save_every = recipe.train.save_every
-            if save_every > 0 and (step % save_every == 0 or step == last_step):
-                save(run_dir, algo, shared, loop, recipe)
+        history, stopped = run_steps(ctx, stop, start_step)
     finally:
-        bar.close()
-        logger.close()
-
-    # 5. Final adapters, plot, summary ------------------------------------------------------------------------
-    summary = algo.finish(run_dir, history)
-    plot = plot_metrics(run_dir, panels=algo.plot_panels)
-    return {
-        "run_dir": str(run_dir),
-        **summary,
-        "plot": str(plot),
+        ctx["bar"].close()
+        ctx["logger"].close()
+        ctx["samples"].close()
+    common = {
         "steps": last_step,
         "steps_this_run": len(history),
         **({"best": {"step": loop.best_step, recipe.train.keep_best: loop.best_value}} if loop.best_step else {}),
         "warnings": sorted(monitor.warned),
+    }
+    if stopped:  # no final adapters: the run is unfinished
+        write_state(run_dir, "stopped", loop.step, last_step)
+        latest = latest_checkpoint(run_dir)
+        return {
+            "run_dir": str(run_dir),
+            "stopped": True,
+            "step": loop.step,
+            "checkpoint": str(latest) if latest else None,
+            **common,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        }
+
+    # 5. Final adapters, plot, summary ------------------------------------------------------------------------
+    summary = algo.finish(run_dir, history)
+    plot = plot_metrics(run_dir, panels=algo.plot_panels)
+    write_state(run_dir, "finished", loop.step, last_step)
+    return {
+        "run_dir": str(run_dir),
+        **summary,
+        "plot": str(plot),
+        **common,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }

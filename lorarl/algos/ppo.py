@@ -53,6 +53,7 @@ from lorarl.algos.base import (
     trained_role,
 )
 from lorarl.algos.ppo_losses import CRITIC, POLICY, PPOBatch, critic_loss, load_ptx_texts, policy_loss
+from lorarl.algos.samples import completion_samples, row_advantage
 from lorarl.algos.tis import tis_engages, tis_metrics
 from lorarl.config import Recipe
 from lorarl.core.advantages import (
@@ -166,6 +167,7 @@ class PPO:
         self.parity_tolerance = parity_tolerance(recipe, shared.device.type)
         self.precision = base_precision(recipe, shared.device.type)
         self.tis_active = cfg.tis.mode == "always"  # auto: switched on by the first parity check above tolerance
+        self.samples: list[dict] = []  # the last step's logged completions (lorarl.algos.samples)
 
     def batch(self, step: int) -> PromptBatch:
         tcfg = self.recipe.train
@@ -236,7 +238,11 @@ class PPO:
         seq_kl = float((kl * mask).sum(dim=1).mean())  # mean over sequences of sum_t kl_t (ppo.kl.estimator)
         self.kl_ctl.update(seq_kl, n_steps=N)
 
-        # ===== Metrics ==========================================================================================
+        # ===== Metrics; the first train.log_completions rows as text (the loop writes them to completions.jsonl) ==
+        adv_row = row_advantage(advantages, mask)  # [N] mean advantage over each row's model tokens
+        self.samples = completion_samples(
+            shared.tokenizer, rollout, raw_score, adv_row, self.recipe.train.log_completions, score_used=score
+        )
         lengths, m_f = rollout.lengths.float(), mask.float()
         return {
             "reward": float(raw_score.mean()),

@@ -41,10 +41,14 @@ def build_app(
     model: str | None = None,
     shared=None,
     preferences: str | os.PathLike | None = None,
+    workbench: bool = False,
+    recipe_dirs: list[str | os.PathLike] | None = None,
 ):
     """The Gradio app (``gr.Blocks``). ``shared``: an already loaded :class:`~lorarl.model.SharedBase` to use;
     else ``model`` (a model name or folder; default: the model the runs were trained on, else the embedded default)
-    is loaded once. Votes go to ``preferences`` (default ``RUNS/preferences.jsonl``; ties beside it)."""
+    is loaded once. Votes go to ``preferences`` (default ``RUNS/preferences.jsonl``; ties beside it).
+    ``workbench``: the tabs Train, Watch, Chat, Export (:mod:`lorarl.app`) with recipes from ``recipe_dirs``
+    (default: the shipped ``recipes/``); else the chat alone."""
     import gradio as gr
 
     from lorarl.chat.api import register_api
@@ -55,7 +59,16 @@ def build_app(
     catalog = session.catalog
     handlers = Handlers(session)
     with gr.Blocks(title="lorarl chat", analytics_enabled=False) as demo:
-        widgets = build_layout(name, catalog.choices(), catalog.scorer_choices(), handlers.status_line())
+
+        def chat():
+            return build_layout(name, catalog.choices(), catalog.scorer_choices(), handlers.status_line())
+
+        if workbench:
+            from lorarl.app.handlers import build_and_wire
+
+            widgets = build_and_wire(session, handlers, Path(runs_dir), recipe_dirs, chat)
+        else:
+            widgets = chat()
         wire(widgets, handlers)
         register_api(session)
     demo.lorarl_session = session  # for tests and embedding
@@ -71,15 +84,24 @@ def launch(
     shared=None,
     prevent_thread_lock: bool = False,
     quiet: bool = False,
+    workbench: bool = False,
+    recipe_dirs: list[str | os.PathLike] | None = None,
 ):
-    """Build and serve the app (127.0.0.1 by default: it has no authentication). Returns the app."""
+    """Build and serve the app (127.0.0.1 by default: it has no authentication). Returns the app. ``workbench``:
+    the Train / Watch / Chat / Export tabs (see :func:`build_app`)."""
     import gradio as gr
 
     from lorarl.chat.layout import CSS
 
+    css = CSS
+    if workbench:
+        from lorarl.app.layout import CSS as WORKBENCH_CSS
+
+        css += WORKBENCH_CSS
+
     if host not in LOCAL_HOSTS and not quiet:
         print(f"lorarl chat: warning: serving on {host} without authentication; anyone who can reach it can use it")
-    demo = build_app(runs_dir, model=model, shared=shared)
+    demo = build_app(runs_dir, model=model, shared=shared, workbench=workbench, recipe_dirs=recipe_dirs)
     demo.queue(default_concurrency_limit=4)
     system_fonts = ["ui-sans-serif", "system-ui", "sans-serif"]  # no web fonts: the app works offline
     demo.launch(
@@ -89,7 +111,7 @@ def launch(
         prevent_thread_lock=prevent_thread_lock,
         quiet=quiet,
         theme=gr.themes.Soft(font=system_fonts, font_mono=["ui-monospace", "monospace"]),
-        css=CSS,
+        css=css,
         footer_links=["api"],
     )
     return demo

@@ -193,6 +193,7 @@ class Handlers:
             generation, seed, columns = generation_from_ui(temp, tp, mx), check_seed(sd), parse_columns(colj)
             for p in panes:
                 self.catalog.get(p)
+            self.session.check_memory()
         except LorarlError as e:
             raise gr.Error(str(e)) from None
         return generation, seed, columns

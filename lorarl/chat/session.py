@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lorarl.chat.catalog import NO_REWARD
@@ -27,6 +27,14 @@ class ChatSession:
         self.preferences = preferences
         self.ties = ties
         self._stops: dict[str, threading.Event] = {}
+        # the workbench's memory rule (lorarl.app.memory): the line answered instead of generating, or None
+        self.pause: Callable[[], str | None] | None = None
+
+    def check_memory(self) -> None:
+        """LorarlError with the reason when generation is paused (a training run needs the GPU's memory)."""
+        reason = self.pause() if self.pause is not None else None
+        if reason:
+            raise LorarlError(reason)
 
     def stop_event(self, session: str) -> threading.Event:
         """A fresh stop event for browser session ``session`` (its Stop button sets it)."""
@@ -60,6 +68,7 @@ class ChatSession:
             raise LorarlError("empty prompt")
         if not 1 <= len(panes) <= MAX_PANES:
             raise LorarlError(f"choose 1 to {MAX_PANES} panes, got {len(panes)}")
+        self.check_memory()
         msgs = system_messages(system) + [{"role": "user", "content": prompt}]
         convs = [list(msgs) for _ in panes]
         answers = self.engine.generate(list(panes), convs, generation, seed=seed)

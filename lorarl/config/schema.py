@@ -202,6 +202,8 @@ class TrainConfig:
     save_every: int = 0  # step checkpoints every N steps; 0: only the final adapters
     keep_last: int = 2  # step checkpoints kept
     log_every: int = 1  # metrics rows every N steps
+    log_completions: int = 4  # GRPO / PPO: sampled completions per step appended to DIR/completions.jsonl (TRL's
+    #   log_completions; the first N rows of the step: prompt, completion, reward, advantage); 0: off
     max_nonfinite_in_row: int = 3  # NaN/inf losses or gradients in a row before the run stops
     keep_best: str | None = None  # keep the adapters of the best evaluation by this metric in DIR/best (eval/accuracy)
     keep_best_mode: Literal["max", "min"] = "max"  # whether larger or smaller keep_best values are better
@@ -226,6 +228,7 @@ class TrainConfig:
         check(self.save_every >= 0, where, "train.save_every", "must be >= 0")
         check(self.keep_last >= 1, where, "train.keep_last", "must be >= 1")
         check(self.log_every >= 1, where, "train.log_every", "must be >= 1")
+        check(self.log_completions >= 0, where, "train.log_completions", "must be >= 0 (0: off)")
         check(self.max_nonfinite_in_row >= 1, where, "train.max_nonfinite_in_row", "must be >= 1")
 
 

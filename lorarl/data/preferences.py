@@ -279,7 +279,7 @@ def load_preferences(
 
     ``data`` (the recipe's section) gives the subset, split names, column mapping and ``as_chat``
     (:func:`shape_pair`). ``max_length`` drops pairs whose longer side has more tokens (listed in ``skipped``,
-    never an error, like TRL). ``limit`` keeps the first ``limit`` usable pairs. A source with no usable pair is
+    never an error, like TRL), and so does a pair whose two responses tokenize identically. ``limit`` keeps the first ``limit`` usable pairs. A source with no usable pair is
     always an error; one with no held-out split (``split="eval"``) gives None with ``missing_ok``, else an error.
     """
     rows, where = read_rows(source, split, recipe_path, data)
@@ -305,6 +305,9 @@ def load_preferences(
         if tokenizer is not None:
             if max_length is not None and max(len(c), len(r)) > max_length:
                 out.skipped.append((i, f"row {i}: longer than reward_model.max_length={max_length} tokens"))
+                continue
+            if c == r:  # no preference to learn (as dpo's loader: lorarl.data.pairs, kind `identical`)
+                out.skipped.append((i, f"row {i}: columns 'chosen' and 'rejected' are the same response"))
                 continue
             out.chosen_ids.append(c)
             out.rejected_ids.append(r)

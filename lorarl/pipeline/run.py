@@ -15,10 +15,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import yaml
 from lorarl.errors import LorarlError
 from lorarl.pipeline.report import Row, eval_row, stage_row, summary_table
 from lorarl.pipeline.spec import Pipeline, Stage
+from lorarl.runstate import write_text_atomic
 
 STAGE_DONE = "stage.json"
 EVALS = "evals"
@@ -35,14 +34,7 @@ EVALS = "evals"
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, text)
 
 
 def stage_plan(pipe: Pipeline) -> list[dict]:
@@ -98,7 +90,8 @@ def run_stage(stage: Stage, resume: bool) -> dict:
     t0 = time.perf_counter()
     summary = train(stage.recipe, stage.run_dir, resume=resume and stage.run_dir.exists())
     summary["stage_wall_s"] = round(time.perf_counter() - t0, 1)
-    write_atomic(done, json.dumps(summary, indent=2, default=str))
+    if not summary.get("stopped"):  # stopped on request (SIGTERM): unfinished, `--resume` continues it
+        write_atomic(done, json.dumps(summary, indent=2, default=str))
     return summary
 
 
@@ -132,6 +125,18 @@ def run_pipeline(pipe: Pipeline, out_dir: str | Path, *, resume: bool = False, f
         print(f"pipeline: {stage.label}: {stage.algo} -> {stage.run_dir}", file=sys.stderr)
         summary = run_stage(stage, resume)
         elapsed += summary["stage_wall_s"]
+        if summary.get("stopped"):
+            print(f"pipeline: {stage.label}: stopped at step {summary['step']}; --resume continues", file=sys.stderr)
+            table = write_summary(out, rows, elapsed)
+            return {
+                "out": str(out),
+                "stopped": True,
+                "stage": stage.label,
+                "run_dir": str(stage.run_dir),
+                "rows": [r.as_dict() for r in rows],
+                "table": table,
+                "pipeline_wall_s": round(elapsed, 1),
+            }
         result = None
         if stage.policy is not None:
             result = evaluate_adapter(pipe, str(stage.policy), out / EVALS / f"{stage.run_dir.name}.json")

@@ -1,0 +1,206 @@
+"""Vote -> retrain: the chat's votes file (``RUNS/preferences.jsonl``, :mod:`lorarl.chat.votes`) becomes the data of
+a DPO run (``recipes/dpo.yaml``, the policy starting from the chosen checkpoint) or of a reward-model run
+(``recipes/reward_model.yaml``), launched by the job runner like any other run.
+
+The shipped recipe is used as it is, with overrides only: ``data.source`` = the votes file; ``data.eval_source:
+null`` (the votes have no held-out split, so no held-out pairs are scored; DPO's task evaluation, when its recipe has
+one, still runs at the end); ``model.init_adapter`` = the checkpoint's policy adapter (DPO) and ``model.name`` = the
+base that checkpoint was trained on (else the chat's base); the batch cut to the number of usable pairs, and
+``train.steps = ceil(pairs x epochs / batch)`` so the run takes the recipe's epochs over the votes and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from lorarl.app.paths import is_inside, shipped_recipes_dir
+from lorarl.chat.votes import PREFERENCES_FILE, ties_path
+from lorarl.config import load_recipe, yaml_load
+from lorarl.errors import LorarlError
+from lorarl.runs import CHECKPOINTS, STEP_RE, is_adapter
+
+Kind = Literal["dpo", "reward_model"]
+KINDS = ("dpo", "reward_model")
+BASE = "base"
+
+
+@dataclass(frozen=True)
+class VotesSummary:
+    """The votes file: rows, usable pairs (a chosen and a rejected answer that differ, not a tie), ties (in the file
+    and in the ties file beside it), other rows left out."""
+
+    path: Path
+    rows: int
+    usable: int
+    ties: int
+    unusable: int
+
+    @property
+    def text(self) -> str:
+        if not self.rows and not self.ties:
+            return f"no votes yet ({self.path} does not exist or is empty): vote in the Chat tab"
+        extra = f", {self.unusable} unusable row(s) left out" if self.unusable else ""
+        return f"{self.usable} usable preference pair(s) in {self.path} ({self.ties} tie(s) left out{extra})"
+
+
+def _answer(value) -> str | None:
+    """The response text of a TRL ``chosen`` / ``rejected`` value (a string or a message list), else None."""
+    if isinstance(value, str):
+        return value.strip() or None
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        content = value[-1].get("content")
+        return content.strip() or None if isinstance(content, str) else None
+    return None
+
+
+def _read_jsonl(path: Path) -> list:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                rows.append(None)
+    return rows
+
+
+def votes_summary(runs_dir: str | os.PathLike, votes_path: str | os.PathLike | None = None) -> VotesSummary:
+    """Count the votes in ``RUNS/preferences.jsonl`` (or ``votes_path``): what a retrain would train on."""
+    path = Path(votes_path) if votes_path else Path(runs_dir) / PREFERENCES_FILE
+    rows = _read_jsonl(path)
+    ties = len(_read_jsonl(ties_path(path)))
+    usable = unusable = 0
+    for row in rows:
+        if isinstance(row, dict) and row.get("tie") is True:
+            ties += 1
+            continue
+        a = _answer(row.get("chosen")) if isinstance(row, dict) else None
+        b = _answer(row.get("rejected")) if isinstance(row, dict) else None
+        if a is None or b is None or a == b:
+            unusable += 1
+        else:
+            usable += 1
+    return VotesSummary(path, len(rows), usable, ties, unusable)
+
+
+def summary_line(summary: VotesSummary) -> str:
+    """:attr:`VotesSummary.text`."""
+    return summary.text
+
+
+def checkpoint_adapter(runs_dir: Path, checkpoint: str | os.PathLike | None) -> Path | None:
+    """The policy adapter folder of a chat catalog id: ``base`` / None -> None; ``RUN/policy`` (a run's final
+    adapter); ``RUN/step-NNNNNN`` (a step checkpoint). It must resolve inside ``runs_dir``."""
+    if checkpoint is None or str(checkpoint) in ("", BASE):
+        return None
+    text = str(checkpoint)
+    parts = Path(text).parts
+    if len(parts) != 2 or ".." in parts or Path(text).is_absolute():
+        raise LorarlError(f"checkpoint {text!r}: give base, RUN/policy or RUN/step-NNNNNN (the chat's checkpoint ids)")
+    run, what = parts
+    folder = runs_dir / run / "policy" if what == "policy" else runs_dir / run / CHECKPOINTS / what / "policy"
+    if what != "policy" and not STEP_RE.match(what):
+        raise LorarlError(f"checkpoint {text!r}: give base, RUN/policy or RUN/step-NNNNNN")
+    if not is_adapter(folder):
+        raise LorarlError(f"checkpoint {text}: no policy adapter at {folder}")
+    if not is_inside(folder, runs_dir):
+        raise LorarlError(f"checkpoint {text}: resolves outside {runs_dir}; refused")
+    return folder
+
+
+def _run_model(adapter: Path) -> str | None:
+    """``model.name`` of the run an adapter belongs to (its recipe.yaml, searched upwards to the run folder)."""
+    for folder in (adapter.parent, adapter.parent.parent.parent):
+        try:
+            data = yaml_load((folder / "recipe.yaml").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        name = (data or {}).get("model", {}).get("name") if isinstance(data, dict) else None
+        if name:
+            return str(name)
+    return None
+
+
+def _recipe_file(kind: str, recipe_dirs: list[Path] | None) -> Path:
+    dirs = [Path(d) for d in recipe_dirs] if recipe_dirs is not None else [shipped_recipes_dir()]
+    for d in dirs:
+        if (d / f"{kind}.yaml").is_file():
+            return d / f"{kind}.yaml"
+    raise LorarlError(f"no {kind}.yaml in the recipe folders ({', '.join(str(d) for d in dirs)})")
+
+
+def retrain_overrides(
+    kind: Kind,
+    votes_path: str | os.PathLike,
+    start_checkpoint: str | os.PathLike | None,
+    *,
+    runs_dir: str | os.PathLike,
+    recipe_dirs: list[Path] | None = None,
+    base_model: str | None = None,
+) -> tuple[Path, list[str]]:
+    """``(recipe, overrides)`` of a DPO or reward-model run on the votes (see the module docstring).
+    ``start_checkpoint``: a chat catalog id (``base``, ``RUN/policy``, ``RUN/step-NNNNNN``); DPO starts its policy
+    from it, a reward model trains on the same base. ``base_model``: the chat's base, used when the checkpoint is
+    ``base``. Refused (one line): an unknown kind, no usable pair, a checkpoint outside the runs folder."""
+    if kind not in KINDS:
+        raise LorarlError(f"retrain kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    runs_dir = Path(runs_dir)
+    votes = Path(votes_path).resolve()
+    summary = votes_summary(runs_dir, votes)
+    if summary.usable == 0:
+        raise LorarlError(f"nothing to train on: {summary.text}")
+    recipe_path = _recipe_file(kind, recipe_dirs)
+    recipe = load_recipe(recipe_path)
+    section = getattr(recipe, kind)
+    batch = min(section.batch_size, summary.usable)
+    steps = max(1, math.ceil(summary.usable * section.epochs / batch))
+    overrides = [
+        f"data.source={json.dumps(str(votes))}",
+        "data.eval_source=null",
+        f"{kind}.batch_size={batch}",
+        f"train.steps={steps}",
+        f"train.warmup_steps={min(recipe.train.warmup_steps, steps - 1)}",
+    ]
+    mb = recipe.train.micro_batch_size
+    if isinstance(mb, int) and mb > batch:
+        overrides.append(f"train.micro_batch_size={batch}")
+    if kind == "reward_model":
+        overrides.append("eval.every=0")  # no held-out pairs to score
+    adapter = checkpoint_adapter(runs_dir, start_checkpoint)
+    model = _run_model(adapter) if adapter is not None else base_model
+    if model:
+        overrides.append(f"model.name={json.dumps(model)}")
+    if adapter is not None and kind == "dpo":
+        overrides.append(f"model.init_adapter={json.dumps(str(adapter.resolve()))}")
+    return recipe_path, overrides
+
+
+def launch_retrain(
+    runner,
+    kind: Kind,
+    start_checkpoint: str | None,
+    *,
+    base_model: str | None = None,
+    run_name: str | None = None,
+    extra_overrides: list[str] | tuple[str, ...] = (),
+) -> Path:
+    """Launch the retrain on ``RUNS/preferences.jsonl`` with ``runner`` (:class:`lorarl.app.jobs.JobRunner`, its
+    recipe folders); the run is named ``KIND-votes-YYYYMMDD-HHMMSS`` unless ``run_name`` is given."""
+    recipe, overrides = retrain_overrides(
+        kind,
+        Path(runner.runs_dir) / PREFERENCES_FILE,
+        start_checkpoint,
+        runs_dir=runner.runs_dir,
+        recipe_dirs=runner.recipe_dirs,
+        base_model=base_model,
+    )
+    name = run_name or f"{kind.replace('_', '-')}-votes-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return runner.launch(recipe, name, overrides + list(extra_overrides))

@@ -1,0 +1,346 @@
+"""The Watch tab's data: a run folder read as it grows (metrics, completions, log, state), and the list of runs.
+
+:class:`RunWatch` keeps a byte offset per file and reads only what was appended since the last :meth:`RunWatch.poll`;
+a half-written last line is left for the next poll. A file that shrank or was replaced (a resumed run truncates
+``metrics.jsonl`` and ``completions.jsonl`` to its checkpoint's step) is read again from the start; a row for a step
+seen before replaces it. Curves use the metric keys the loop logs (:data:`SERIES`: the first key a run logs wins,
+so GRPO's ``reward``, PPO's ``objective/kl`` and DPO's ``rewards/margins`` all land on a curve). Runs started from a
+terminal are read the same way: everything comes from the folder (:mod:`lorarl.runstate` for the state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorarl.app.jobs import FINAL_ADAPTERS, LOG_FILE
+from lorarl.app.paths import EXPORTS
+from lorarl.runs import is_adapter
+from lorarl.runstate import COMPLETIONS_FILE, live_pid, read_state
+
+METRICS_FILE = "metrics.jsonl"
+# curve label -> the metric keys that feed it, first present wins (GRPO / PPO / DPO / reward model / SFT)
+SERIES: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "rewards/margins", "margin"),
+    "held-out accuracy": ("eval/accuracy", "eval/rewards/accuracies"),
+    "KL": ("kl", "objective/kl", "kl_per_token"),
+    "entropy": ("entropy",),
+    "completion length": ("completions/mean_length",),
+    "step time (s)": ("step_time",),
+}
+RECENT = 20  # completions and log lines kept for the page
+HEALTH_MARK = "health:"
+ERROR_MARK = "lorarl: error:"
+
+
+class _Tail:
+    """New complete lines of one file since the last read (offset kept; a torn last line waits).
+
+    A file rewritten since (a resume rewrites ``metrics.jsonl`` in place with the rows up to its checkpoint, then
+    appends) is noticed even when it has grown past the old offset again: the bytes just before the offset must
+    still be the ones read last time, else the file is read again from the start (``reset``)."""
+
+    MARK = 256  # bytes before the offset compared on each read
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.ino: int | None = None
+        self.mark = b""  # the last bytes read, ending at the offset
+        self.reset = False  # set when the last read started over (the file shrank, was replaced or rewritten)
+
+    def _still_same(self, f, size: int) -> bool:
+        if size < self.offset:
+            return False
+        f.seek(self.offset - len(self.mark))
+        return f.read(len(self.mark)) == self.mark
+
+    def read(self) -> list[str]:
+        self.reset = False
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            if self.offset:
+                self.offset, self.mark, self.reset = 0, b"", True
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if self.ino is not None and (st.st_ino != self.ino or not self._still_same(f, st.st_size)):
+                self.offset, self.mark, self.reset = 0, b"", True
+            self.ino = st.st_ino
+            if st.st_size == self.offset:
+                return []
+            f.seek(self.offset)
+            data = f.read(st.st_size - self.offset)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        self.mark = (self.mark + data[: end + 1])[-self.MARK :]
+        return data[:end].decode("utf-8", errors="replace").split("\n")  # not splitlines(): "\r" is a bar redraw
+
+
+def _json_rows(lines: list[str]) -> list[dict]:
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def series_key(rows: list[dict], keys: tuple[str, ...]) -> str | None:
+    """The first of ``keys`` that some row logs with a number."""
+    for k in keys:
+        if any(_number(r.get(k)) is not None for r in rows):
+            return k
+    return None
+
+
+def eta_seconds(step_times: list[float], step: int, last_step: int | None) -> float | None:
+    """Time left: ``median(step time) x (last_step - step)``; None without a step time or a last step."""
+    if not step_times or last_step is None:
+        return None
+    return statistics.median(step_times) * max(0, last_step - step)
+
+
+def format_seconds(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+@dataclass
+class Progress:
+    """``step`` of ``last_step``, the median step time and the time left (seconds; None when unknown)."""
+
+    step: int = 0
+    last_step: int | None = None
+    step_time_s: float | None = None
+    eta_s: float | None = None
+
+    @property
+    def text(self) -> str:
+        of = f"/{self.last_step}" if self.last_step else ""
+        per = f", {self.step_time_s:.1f} s/step" if self.step_time_s is not None else ""
+        left = f", about {format_seconds(self.eta_s)} left" if self.eta_s is not None else ""
+        return f"step {self.step}{of}{per}{left}"
+
+
+@dataclass
+class WatchView:
+    """What the Watch tab shows of one run after a :meth:`RunWatch.poll`.
+
+    series:      curve label -> ``[(step, value)]`` (labels of :data:`SERIES` the run logs); ``series_keys`` the
+                 metric key behind each.
+    warnings:    the run's ``health:`` lines from train.log, in order.
+    completions: the last 20 rows of completions.jsonl (``step``, ``prompt``, ``completion``, ``reward``, ...).
+    state:       ``new`` | ``starting`` (a process is loading, no state yet) | ``running`` | ``stopped`` |
+                 ``finished`` | ``crashed`` | ``failed`` (the command stopped before training: its error line);
+                 ``error`` the state's error line.
+    log_tail:    the last 20 lines of train.log; ``crash_lines`` the same when crashed or failed, else [].
+    """
+
+    run: str
+    state: str
+    error: str | None
+    progress: Progress
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    series_keys: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    completions: list[dict] = field(default_factory=list)
+    log_tail: list[str] = field(default_factory=list)
+    crash_lines: list[str] = field(default_factory=list)
+    latest: dict = field(default_factory=dict)  # the newest metrics row
+    new_rows: int = 0  # metrics rows read by this poll
+
+
+def _recipe_steps(run_dir: Path) -> int | None:
+    from lorarl.config import yaml_load
+
+    try:
+        data = yaml_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))
+        steps = data.get("train", {}).get("steps", 100)
+    except Exception:  # no or unreadable recipe
+        return None
+    return steps if isinstance(steps, int) else None
+
+
+def run_state(run_dir: Path, log_lines: list[str] | None = None) -> tuple[str, str | None, dict]:
+    """``(state, error, state.json)``: :func:`lorarl.runstate.read_state`, with ``new`` refined: ``starting`` (a live
+    process, no state yet), ``failed`` (train.log ends with the CLI's error line), ``finished`` (final adapters of a
+    run from before state.json)."""
+    st = read_state(run_dir)
+    state, error = st.get("state", "new"), st.get("error")
+    if state != "new":
+        return state, error, st
+    if live_pid(run_dir) is not None:
+        return "starting", None, st
+    errors = [line for line in (log_lines or []) if line.startswith(ERROR_MARK)]
+    if errors:
+        return "failed", errors[-1][len(ERROR_MARK) :].strip(), st
+    if any(is_adapter(run_dir / role) for role in FINAL_ADAPTERS):
+        return "finished", None, st
+    return "new", None, st
+
+
+class RunWatch:
+    """Follows one run folder; :meth:`poll` reads what was appended since the last call."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self._metrics = _Tail(self.run_dir / METRICS_FILE)
+        self._completions = _Tail(self.run_dir / COMPLETIONS_FILE)
+        self._log = _Tail(self.run_dir / LOG_FILE)
+        self.rows: dict[int, dict] = {}
+        self.completions: deque = deque(maxlen=RECENT)
+        self.log_lines: deque = deque(maxlen=200)
+        self.warnings: list[str] = []
+
+    def _read(self) -> int:
+        new = _json_rows(self._metrics.read())
+        if self._metrics.reset:
+            self.rows = {}
+        for row in new:
+            self.rows[row["step"]] = row
+        comps = _json_rows(self._completions.read())
+        if self._completions.reset:
+            self.completions.clear()
+        self.completions.extend(comps)
+        lines = self._log.read()
+        if self._log.reset:
+            self.log_lines.clear()
+            self.warnings = []
+        for line in lines:
+            line = line.rsplit("\r", 1)[-1].rstrip()  # a progress bar's last redraw
+            if not line:
+                continue
+            self.log_lines.append(line)
+            if HEALTH_MARK in line:
+                self.warnings.append(line)
+        return len(new)
+
+    def poll(self) -> WatchView:
+        new_rows = self._read()
+        rows = [self.rows[s] for s in sorted(self.rows)]
+        series, keys = {}, {}
+        for label, candidates in SERIES.items():
+            key = series_key(rows, candidates)
+            if key is not None:
+                keys[label] = key
+                series[label] = [(r["step"], _number(r[key])) for r in rows if _number(r.get(key)) is not None]
+        tail = list(self.log_lines)
+        state, error, st = run_state(self.run_dir, tail)
+        step = st.get("step") if isinstance(st.get("step"), int) else (rows[-1]["step"] if rows else 0)
+        last_step = st.get("last_step") if isinstance(st.get("last_step"), int) else _recipe_steps(self.run_dir)
+        times = [t for t in (_number(r.get("step_time")) for r in rows) if t is not None]
+        progress = Progress(
+            step=step,
+            last_step=last_step,
+            step_time_s=statistics.median(times) if times else None,
+            eta_s=eta_seconds(times, step, last_step) if state in ("running", "starting") else None,
+        )
+        return WatchView(
+            run=self.run_dir.name,
+            state=state,
+            error=error,
+            progress=progress,
+            series=series,
+            series_keys=keys,
+            warnings=list(self.warnings),
+            completions=list(self.completions),
+            log_tail=tail[-RECENT:],
+            crash_lines=tail[-RECENT:] if state in ("crashed", "failed") else [],
+            latest=rows[-1] if rows else {},
+            new_rows=new_rows,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Listing runs
+# ---------------------------------------------------------------------------------------------------------------
+
+RUN_MARKERS = ("recipe.yaml", METRICS_FILE, LOG_FILE, "state.json", "train.pid")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run folder: its name, state (:func:`run_state`), step of last step, algorithm, last change (mtime)."""
+
+    name: str
+    path: Path
+    state: str
+    step: int | None
+    last_step: int | None
+    algo: str | None
+    mtime: float
+
+    @property
+    def label(self) -> str:
+        of = f"/{self.last_step}" if self.last_step else ""
+        at = f" step {self.step}{of}" if self.step is not None else ""
+        return f"{self.name} · {self.algo or '?'} · {self.state}{at}"
+
+
+def tail_lines(path: Path, n: int, window: int = 16384) -> list[str]:
+    """The last ``n`` lines of a file (read from its last ``window`` bytes; [] when missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - window))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    return [line for line in lines if line][-n:]
+
+
+def _last_metrics_step(path: Path) -> int | None:
+    rows = _json_rows(tail_lines(path, 5))
+    return rows[-1]["step"] if rows else None
+
+
+def _algo(run: Path) -> str | None:
+    from lorarl.config import yaml_load
+
+    try:
+        data = yaml_load((run / "recipe.yaml").read_text(encoding="utf-8"))
+    except Exception:  # no or unreadable recipe
+        return None
+    return str(data.get("algo", "grpo")) if isinstance(data, dict) else None
+
+
+def list_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
+    """Every run folder directly under ``runs_dir`` (launched here or from a terminal), newest change first; the
+    exports folder and folders without any run file are left out."""
+    root = Path(runs_dir)
+    out = []
+    for run in root.iterdir() if root.is_dir() else []:
+        if not run.is_dir() or run.name == EXPORTS or run.name.startswith("."):
+            continue
+        present = [run / m for m in RUN_MARKERS if (run / m).exists()]
+        if not present:
+            continue
+        state, _, st = run_state(run, tail_lines(run / LOG_FILE, 5))
+        step = st.get("step") if isinstance(st.get("step"), int) else _last_metrics_step(run / METRICS_FILE)
+        last = st.get("last_step") if isinstance(st.get("last_step"), int) else _recipe_steps(run)
+        mtime = max(p.stat().st_mtime for p in present)
+        out.append(RunSummary(run.name, run, state, step, last, _algo(run), mtime))
+    return sorted(out, key=lambda r: r.mtime, reverse=True)
+
+
+def run_choices(runs_dir: str | os.PathLike) -> list[tuple[str, str]]:
+    """``(label, name)`` pairs of :func:`list_runs` for a dropdown."""
+    return [(r.label, r.name) for r in list_runs(runs_dir)]

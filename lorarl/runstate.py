@@ -1,0 +1,285 @@
+"""Run control files of a run directory: who is training it (``train.pid``) and how far it got (``state.json``).
+
+Pure file I/O and process checks (no torch), so the browser workbench can read them while a run trains.
+:func:`lorarl.algos.loop.train` writes both; anything else only reads them, or asks a live run to stop
+(:func:`request_stop`: SIGTERM, which the loop turns into "finish this step, save a checkpoint, exit 0").
+
+``DIR/train.pid`` (present only while ``loop.train`` runs; written atomically)::
+
+    {"pid": 4242, "host": "gpu-box", "started": "2026-11-25T16:40:00+00:00", "argv": ["lorarl", "train", ...]}
+
+``DIR/state.json`` (written atomically at the start, after every step, and at the end)::
+
+    {"state": "running", "step": 3, "last_step": 40, "updated": "2026-11-25T16:41:07+00:00", "error": null}
+
+``state``: ``running`` (a process is training it), ``stopped`` (it stopped on request after a checkpoint of
+``step``: ``lorarl train --resume`` continues), ``finished`` (final adapters written), ``crashed`` (an exception, its
+one line in ``error``; or the process died without saying why: a ``running`` file whose process is gone reads as
+``crashed``). A folder without the file reads as ``{"state": "new"}``.
+
+``DIR/completions.jsonl`` (:class:`CompletionsLog`): a few sampled completions per step (``train.log_completions``).
+:class:`StopRequest` is the SIGTERM flag the loop checks after each step. docs/metrics.md describes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lorarl.errors import LorarlError
+
+PID_FILE = "train.pid"
+STATE_FILE = "state.json"
+STATES = ("new", "running", "stopped", "finished", "crashed")
+KILLED = "the process ended without saying why (killed?)"
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601 with seconds (``2026-11-25T16:40:00+00:00``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (:func:`write_text_atomic`): a reader sees the old file or
+    the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(data))
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when the file does not exist. A file that is not a JSON object raises
+    :class:`LorarlError` naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LorarlError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise LorarlError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+# --- train.pid ----------------------------------------------------------------------------------------------------
+
+
+def write_pid(run_dir: str | os.PathLike, argv: list[str] | None = None) -> Path:
+    """``DIR/train.pid`` for this process: pid, host name, start time, command line (default ``sys.argv``)."""
+    path = Path(run_dir) / PID_FILE
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now_iso(), "argv": list(argv or sys.argv)}
+    write_json_atomic(path, info)
+    return path
+
+
+def clear_pid(run_dir: str | os.PathLike) -> None:
+    """Remove ``DIR/train.pid`` if it is this process's (a file another process wrote since is left alone)."""
+    path = Path(run_dir) / PID_FILE
+    try:
+        info = read_json(path)
+    except LorarlError:
+        info = None
+    if info is not None and info.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process that could be a lorarl run: it exists (``os.kill(pid, 0)``), is not a
+    zombie, and (where ``/proc`` exists) is this process or has ``lorarl`` in its command line (a pid reused by an
+    unrelated program counts as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    proc = Path(f"/proc/{pid}")
+    if not proc.is_dir():  # no /proc (macOS): existence is all we can tell
+        return True
+    try:
+        stat = (proc / "stat").read_text()
+        cmdline = (proc / "cmdline").read_bytes()
+    except OSError:  # it ended between the checks
+        return False
+    if stat[stat.rfind(")") + 2 :].startswith("Z"):  # state field follows "(comm) "
+        return False
+    return pid == os.getpid() or b"lorarl" in cmdline
+
+
+def live_pid(run_dir: str | os.PathLike) -> int | None:
+    """The pid training ``run_dir`` now: ``DIR/train.pid`` exists, names this host, and its process is alive
+    (:func:`process_alive`); else None."""
+    try:
+        info = read_json(Path(run_dir) / PID_FILE)
+    except LorarlError:
+        return None
+    if not info or info.get("host") != socket.gethostname():
+        return None
+    pid = info.get("pid")
+    if not isinstance(pid, int) or not process_alive(pid):
+        return None
+    return pid
+
+
+def request_stop(run_dir: str | os.PathLike) -> bool:
+    """Ask the live run of ``run_dir`` to stop (SIGTERM: it finishes its step, saves a checkpoint, writes state
+    ``stopped`` and exits 0). False when no process is training it."""
+    pid = live_pid(run_dir)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# --- state.json ---------------------------------------------------------------------------------------------------
+
+
+def write_state(run_dir: str | os.PathLike, state: str, step: int, last_step: int, error: str | None = None) -> dict:
+    """Write ``DIR/state.json`` atomically and return what was written."""
+    if state not in STATES[1:]:
+        raise ValueError(f"state must be one of {STATES[1:]}, got {state!r}")
+    data = {"state": state, "step": int(step), "last_step": int(last_step), "updated": now_iso(), "error": error}
+    write_json_atomic(Path(run_dir) / STATE_FILE, data)
+    return data
+
+
+def read_state(run_dir: str | os.PathLike) -> dict:
+    """The run's state: ``DIR/state.json``, ``{"state": "new"}`` when there is none; a ``running`` state whose
+    process is gone (no :func:`live_pid`) reads as ``crashed`` with the error :data:`KILLED`."""
+    data = read_json(Path(run_dir) / STATE_FILE)
+    if data is None:
+        return {"state": "new"}
+    if data.get("state") == "running" and live_pid(run_dir) is None:
+        data = {**data, "state": "crashed", "error": KILLED}
+    return data
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as one line: ``"ValueError: bad shape"`` (only the first line of a long message)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def check_not_live(run_dir: str | os.PathLike) -> None:
+    """Raise :class:`LorarlError` when another process is training ``run_dir`` now (two writers would interleave
+    checkpoints and metrics)."""
+    pid = live_pid(run_dir)
+    if pid is not None and pid != os.getpid():
+        raise LorarlError(f"{run_dir}: a run is training in this folder now (pid {pid}); stop it first")
+
+
+# --- stop on SIGTERM ----------------------------------------------------------------------------------------------
+
+
+class StopRequest:
+    """A flag set by SIGTERM while installed (``with StopRequest() as stop: ... stop.requested``).
+
+    The handler is installed only in the main thread (Python allows no other) and the previous one is put back on
+    exit. The loop checks :attr:`requested` after each step: it then saves a checkpoint, writes state ``stopped``
+    and returns. :meth:`set` raises the flag without a signal (tests, an embedding program)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signals = signals
+        self.requested = False
+        self.signal: int | None = None  # the signal that set the flag, if one did
+        self._previous: dict[int, object] = {}
+
+    def set(self, signum: int | None = None) -> None:
+        self.requested, self.signal = True, signum
+
+    def _handle(self, signum, frame) -> None:
+        self.set(signum)
+
+    def __enter__(self) -> StopRequest:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+# --- completions.jsonl --------------------------------------------------------------------------------------------
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+class CompletionsLog:
+    """``DIR/completions.jsonl``: a few sampled completions per step (``train.log_completions``), one JSON object
+    a line: ``{"step", "prompt", "completion", "reward", "advantage"?}`` (written by the run loop, flushed each step).
+
+    A fresh run starts the file over; ``resume_step`` (resuming) keeps only the rows of steps up to it, as
+    :class:`lorarl.metrics.MetricsLogger` does with ``metrics.jsonl``, so a resumed run's file reads as one run."""
+
+    def __init__(self, run_dir: str | os.PathLike, resume_step: int | None = None):
+        self.path = Path(run_dir) / COMPLETIONS_FILE
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _row_step(line) is not None]
+            kept = [line for line in kept if _row_step(line) <= resume_step]
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        elif resume_step is None:
+            self.path.unlink(missing_ok=True)
+        self._file = None
+
+    def log(self, step: int, rows: list[dict]) -> None:
+        """Append ``rows`` (each gets ``"step": step`` first) and flush."""
+        if not rows:
+            return
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
+        for row in rows:
+            self._file.write(json.dumps({"step": int(step), **row}, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _row_step(line: str) -> int | None:
+    """The ``step`` of a JSONL line; None for a blank or half-written line (a process killed mid-write)."""
+    try:
+        step = json.loads(line).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def mark_crashed(run_dir: str | os.PathLike, exc: BaseException, default_last_step: int) -> dict:
+    """State ``crashed`` with ``exc``'s one line (:func:`error_line`), at the step the last state file recorded."""
+    try:
+        previous = read_json(Path(run_dir) / STATE_FILE) or {}
+    except LorarlError:
+        previous = {}
+    step, last = previous.get("step", 0), previous.get("last_step", default_last_step)
+    return write_state(run_dir, "crashed", step, last, error_line(exc))
