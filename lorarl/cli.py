@@ -73,11 +73,11 @@ def cmd_train(args) -> int:
 
         resolve_agent(recipe.agent, recipe.source_path)
     out = Path(args.out)
-    from lorarl.runstate import check_not_live
+    from lorarl.runstate import PRE_RUN_FILES, check_not_live
 
     check_not_live(out)  # never --force away (or resume into) a folder another process is training
-    # the workbench (lorarl.app.jobs) opens DIR/train.log for this process's output before it starts: not a run yet
-    if out.exists() and any(p.name != "train.log" for p in out.iterdir()) and not args.resume:
+    # the workbench (lorarl.app.jobs) writes DIR/train.log and DIR/launch.json before this process starts: no run yet
+    if out.exists() and any(p.name not in PRE_RUN_FILES for p in out.iterdir()) and not args.resume:
         if not args.force:
             raise LorarlError(
                 f"{out}: run directory is not empty; pass --resume to continue it or --force to start over"
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipes",
         action="append",
         default=None,
-        help="a folder of recipes the Train tab offers (repeatable; default: the shipped recipes/)",
+        help="a folder of recipes the Train tab offers besides the shipped recipes/ (repeatable)",
     )
     c.add_argument("--chat-only", action="store_true", help="only the chat, without the Train / Watch / Export tabs")
     c.set_defaults(func=cmd_chat)

@@ -6,7 +6,12 @@ Pure file I/O and process checks (no torch), so the browser workbench can read t
 
 ``DIR/train.pid`` (present only while ``loop.train`` runs; written atomically)::
 
-    {"pid": 4242, "host": "gpu-box", "started": "2026-11-25T16:40:00+00:00", "argv": ["lorarl", "train", ...]}
+    {"pid": 4242, "host": "gpu-box", "started": "2026-11-25T16:40:00+00:00", "argv": ["lorarl", "train", ...],
+     "proc_start": 123456}
+
+``proc_start`` is the process's start time in clock ticks since boot (field 22 of ``/proc/PID/stat``; absent where
+there is no ``/proc``): a pid reused by another process after the run died has another start time, so a stale file
+never names a live run (and Stop never signals the wrong process).
 
 ``DIR/state.json`` (written atomically at the start, after every step, and at the end)::
 
@@ -36,6 +41,9 @@ from lorarl.errors import LorarlError
 
 PID_FILE = "train.pid"
 STATE_FILE = "state.json"
+LOG_FILE = "train.log"  # the workbench's launches write the process's output here (lorarl.app.jobs)
+LAUNCH_FILE = "launch.json"  # the workbench's record of a launch: recipe, overrides, working folder (lorarl.app.jobs)
+PRE_RUN_FILES = (LOG_FILE, LAUNCH_FILE)  # written before `lorarl train` starts: a folder of only these is not a run
 STATES = ("new", "running", "stopped", "finished", "crashed")
 KILLED = "the process ended without saying why (killed?)"
 
@@ -65,12 +73,14 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``; None when the file does not exist. A file that is not a JSON object raises
-    :class:`LorarlError` naming it."""
+    """The JSON object in ``path``; None when the file does not exist. A file that cannot be read or is not a JSON
+    object raises :class:`LorarlError` naming it."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LorarlError(f"{path}: cannot read ({e})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -83,10 +93,29 @@ def read_json(path: Path) -> dict | None:
 # --- train.pid ----------------------------------------------------------------------------------------------------
 
 
+def proc_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot: field 22 (``starttime``) of ``/proc/PID/stat``; None
+    when there is no such process or no ``/proc``. The fields are counted after the last ``)``, since the command
+    name in parentheses (field 2) may itself hold spaces and parentheses."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # fields 3, 4, ...: field N is fields[N - 3]
+    try:
+        return int(fields[22 - 3])
+    except (IndexError, ValueError):
+        return None
+
+
 def write_pid(run_dir: str | os.PathLike, argv: list[str] | None = None) -> Path:
-    """``DIR/train.pid`` for this process: pid, host name, start time, command line (default ``sys.argv``)."""
+    """``DIR/train.pid`` for this process: pid, host name, start time, command line (default ``sys.argv``) and the
+    process's start time in clock ticks (:func:`proc_start_ticks`)."""
     path = Path(run_dir) / PID_FILE
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now_iso(), "argv": list(argv or sys.argv)}
+    ticks = proc_start_ticks(os.getpid())
+    if ticks is not None:
+        info["proc_start"] = ticks
     write_json_atomic(path, info)
     return path
 
@@ -102,10 +131,11 @@ def clear_pid(run_dir: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
 
 
-def process_alive(pid: int) -> bool:
+def process_alive(pid: int, proc_start: int | None = None) -> bool:
     """Whether ``pid`` is a running process that could be a lorarl run: it exists (``os.kill(pid, 0)``), is not a
-    zombie, and (where ``/proc`` exists) is this process or has ``lorarl`` in its command line (a pid reused by an
-    unrelated program counts as dead)."""
+    zombie, and (where ``/proc`` exists) started at ``proc_start`` (clock ticks, :func:`proc_start_ticks`) when that
+    is given -- else is this process or has ``lorarl`` in its command line. A pid reused by another process counts
+    as dead."""
     if pid <= 0:
         return False
     try:
@@ -124,20 +154,22 @@ def process_alive(pid: int) -> bool:
         return False
     if stat[stat.rfind(")") + 2 :].startswith("Z"):  # state field follows "(comm) "
         return False
+    if proc_start is not None:
+        return proc_start_ticks(pid) == proc_start
     return pid == os.getpid() or b"lorarl" in cmdline
 
 
 def live_pid(run_dir: str | os.PathLike) -> int | None:
-    """The pid training ``run_dir`` now: ``DIR/train.pid`` exists, names this host, and its process is alive
-    (:func:`process_alive`); else None."""
+    """The pid training ``run_dir`` now: ``DIR/train.pid`` exists, names this host, and its process is alive and is
+    the one that wrote the file (:func:`process_alive` with the file's ``proc_start``); else None."""
     try:
         info = read_json(Path(run_dir) / PID_FILE)
-    except LorarlError:
+    except (LorarlError, OSError):
         return None
     if not info or info.get("host") != socket.gethostname():
         return None
-    pid = info.get("pid")
-    if not isinstance(pid, int) or not process_alive(pid):
+    pid, start = info.get("pid"), info.get("proc_start")
+    if not isinstance(pid, int) or not process_alive(pid, start if isinstance(start, int) else None):
         return None
     return pid
 

@@ -526,3 +526,217 @@ def test_export_with_gate_figures(grpo_run):
         with pytest.raises(LorarlError, match=why):
             exporting.export_with_gate(*args, runs_dir=runs, gate_n=4)
     assert sorted(p.name for p in (runs / "exports").iterdir()) == ["g1-adapter"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Review fixes: unreadable folders, pipeline stages, health rows, judge / remote weights, dead-end launches,
+# relative recipe paths on resume, export failures, the loopback rule, the shipped recipes always offered
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_one_unreadable_run_folder_hides_nothing_else(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("good", "broken"):
+        (runs / name).mkdir(parents=True)
+    (runs / "good" / "metrics.jsonl").write_text(_row(1))
+    (runs / "broken" / "state.json").write_text("{not json")
+    listed = {r.name: r for r in watch.list_runs(runs)}
+    assert set(listed) == {"good", "broken"}
+    assert listed["broken"].state == "unreadable" and listed["good"].state == "new"
+    v = watch.RunWatch(runs / "broken").poll()  # the Watch tab shows why instead of failing
+    assert v.state == "unreadable" and "state.json: not valid JSON" in v.error and not v.resumable
+    with pytest.raises(LorarlError, match="state.json: not valid JSON"):
+        jobs.JobRunner(runs, [SHIPPED]).resume("broken")
+    # train.pid removed between the listing of a folder's files and their stat (a run ending): skipped
+    assert watch._mtime([runs / "good" / "metrics.jsonl", runs / "good" / "train.pid"]) > 0
+
+
+def test_health_warnings_come_from_the_metrics_rows_too(tmp_path):
+    run = tmp_path / "terminal"  # a run from a terminal: no train.log
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        _row(1) + _row(2, **{"health/warning": "no signal: all rewards equal | adapter not learning: x"}) + _row(3)
+    )
+    want = ["step 2: health: no signal: all rewards equal", "step 2: health: adapter not learning: x"]
+    w = watch.RunWatch(run)
+    assert w.poll().warnings == want
+    # the same warning in train.log (a run launched from the page) is shown once, in step order
+    (run / "train.log").write_text("step 1: health: kl high\nstep 2: health: no signal: all rewards equal\n")
+    assert w.poll().warnings == ["step 1: health: kl high", *want]
+
+
+def test_pipeline_stages_count_for_the_one_job_rule_and_show_in_watch(tmp_path):
+    from test_run_control import lorarl_sleeper
+
+    from lorarl import runstate
+
+    runs = tmp_path / "runs"
+    stage = runs / "pipe" / "01-rl"
+    stage.mkdir(parents=True)
+    (runs / "pipe" / "pipeline.yaml").write_text("stages: []\n")
+    (stage / "recipe.yaml").write_text("algo: grpo\ntrain: {steps: 9}\n")
+    (runs / "notpipe" / "sub").mkdir(parents=True)
+    live = lorarl_sleeper()
+    try:
+        info = {"pid": live.pid, "host": os.uname().nodename, "proc_start": runstate.proc_start_ticks(live.pid)}
+        (stage / "train.pid").write_text(json.dumps(info))
+        runstate.write_state(stage, "running", 3, 9)
+        runner = jobs.JobRunner(runs, [SHIPPED])
+        assert runner.live() == stage
+        with pytest.raises(LorarlError, match="run pipe/01-rl is training now"):
+            runner.launch(str(QUICKSTART), "other", [])
+        listed = watch.list_runs(runs)
+        assert [(r.name, r.state, r.step, r.last_step) for r in listed] == [("pipe/01-rl", "running", 3, 9)]
+        assert paths.checked_run("pipe/01-rl", runs) == stage
+        with pytest.raises(LorarlError, match="stage of a pipeline"):
+            paths.checked_run("notpipe/sub", runs)
+        assert watch.RunWatch(stage, "pipe/01-rl").poll().run == "pipe/01-rl"
+        assert "asked run pipe/01-rl to stop" in runner.stop("pipe/01-rl")
+        assert live.wait(timeout=10) == -15
+        runstate.write_state(stage, "stopped", 3, 9)
+        with pytest.raises(LorarlError, match="stage of pipeline pipe; resume the pipeline"):
+            runner.resume("pipe/01-rl")
+        assert not watch.RunWatch(stage).poll().resumable
+    finally:
+        live.kill()
+        live.wait()
+
+
+def remote_recipe(folder: Path) -> Path:
+    text = QUICKSTART.read_text().replace(
+        "    - name: numeric_match\n      weight: 1.0\n",
+        "    - name: numeric_match\n      weight: 1.0\n    - name: remote\n      weight: 0.5\n"
+        "      remote: {url: 'http://127.0.0.1:9/score', retries: 0}\n",
+    )
+    path = folder / "remote.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_remote_rewards_weight_may_change_its_settings_may_not(tmp_path):
+    path = remote_recipe(tmp_path)
+    overrides, errors = recipes.validate(path, {"reward.functions.1.weight": "0.25"})
+    assert errors == {} and len(overrides) == 1
+    jobs.check_overrides(path, overrides)  # the remote section rides along unchanged: allowed
+    r = load_recipe(path, overrides)
+    assert [(f.name, f.weight) for f in r.reward.functions] == [("numeric_match", 1.0), ("remote", 0.25)]
+    assert r.reward.functions[1].remote.url == "http://127.0.0.1:9/score"
+    moved = overrides[0].replace("127.0.0.1:9", "evil.example:80")
+    with pytest.raises(LorarlError, match="only the weights"):
+        jobs.check_overrides(path, [moved])
+
+
+def test_resume_source_prefers_the_launch_recipe_unless_it_changed(tmp_path):
+    rdir, runs = tmp_path / "recipes", tmp_path / "runs"
+    (runs / "r").mkdir(parents=True)
+    rdir.mkdir()
+    recipe = rdir / "mine.yaml"
+    recipe.write_text(QUICKSTART.read_text())
+    run = runs / "r"
+    jobs.write_launch(run, recipe, ["train.steps=5"])
+    # launched, no recipe.yaml yet (stopped while loading): the launch's recipe and overrides
+    assert jobs.resume_source(run, [rdir], runs) == (recipe, ["train.steps=5"], Path.cwd())
+    import yaml
+
+    from lorarl.config import recipe_to_dict
+
+    saved = yaml.safe_dump(recipe_to_dict(load_recipe(recipe, ["train.steps=5"])), sort_keys=False)
+    (run / "recipe.yaml").write_text(saved)  # as the run loop writes it
+    assert jobs.resume_source(run, [rdir], runs)[:2] == (recipe, ["train.steps=5"])
+    edited = QUICKSTART.read_text().replace("learning_rate: 3.0e-4", "learning_rate: 1.0e-4")
+    assert edited != QUICKSTART.read_text()
+    recipe.write_text(edited)  # edited since the launch: the run's own copy is the recipe it trains
+    assert jobs.resume_source(run, [rdir], runs)[:2] == (run / "recipe.yaml", [])
+    jobs.write_launch(run, tmp_path / "elsewhere.yaml", [])  # a launch record naming a file outside the folders
+    assert jobs.resume_source(run, [rdir], runs)[:2] == (run / "recipe.yaml", [])
+
+
+def test_stop_right_after_launch_then_relaunch_and_resume_with_relative_paths(tmp_path, tiny_model_dir):
+    """A user recipe reading prompts.jsonl beside it: Stop before training leaves a folder Launch may reuse and
+    Resume may start; a stopped run resumes with the path still found beside the original recipe."""
+    rdir, runs = tmp_path / "mine", tmp_path / "runs"
+    rdir.mkdir()
+    runs.mkdir()
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
+    (rdir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = QUICKSTART.read_text().replace(
+        "  source: arithmetic\n", "  source: prompts.jsonl\n  eval_source: prompts.jsonl\n"
+    )
+    (rdir / "rel.yaml").write_text(text)
+    overrides = [o for o in grpo_overrides(tiny_model_dir) if not o.startswith("data.")] + ["train.steps=12"]
+    runner = jobs.JobRunner(runs, [rdir])
+    run = runner.launch(str(rdir / "rel.yaml"), "rel", overrides)
+    message = runner.stop("rel")  # the process is still importing: terminated, nothing to save
+    assert "had not started training yet" in message and runner.returncode(run) is not None
+    state = json.loads((run / "state.json").read_text())
+    assert (state["state"], state["step"], state["last_step"]) == ("stopped", 0, 12)
+    assert watch.RunWatch(run).poll().resumable
+    # the name is not a dead end: Launch may reuse it (the folder holds no run yet), with a fresh train.log
+    assert jobs.is_unstarted(run)
+    run = runner.launch(str(rdir / "rel.yaml"), "rel", overrides)
+    assert (run / jobs.LOG_FILE).read_text().count("$ ") == 1
+    wait_for(lambda: (read_metrics(run) or [{}])[-1].get("step", 0) >= 1)
+    assert "asked run rel to stop" in runner.stop("rel")
+    assert wait_done(runner, run) == 0
+    k = watch.RunWatch(run).poll().progress.step
+    assert watch.RunWatch(run).poll().state == "stopped" and 1 <= k < 12
+    saved = load_recipe(run / "recipe.yaml", strict=False)
+    assert saved.data.source == "prompts.jsonl"  # relative: not found beside RUN/recipe.yaml
+    runner.resume("rel")
+    assert wait_done(runner, run) == 0, (run / jobs.LOG_FILE).read_text()[-2000:]
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
+    assert f"train {rdir / 'rel.yaml'} --out {run} --resume" in (run / jobs.LOG_FILE).read_text()
+
+
+def test_an_export_that_fails_unexpectedly_gives_one_line(tmp_path, monkeypatch):
+    import lorarl.export
+
+    runs = tmp_path / "runs"
+    (runs / "r").mkdir(parents=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("convert_hf_to_gguf.py exited with 1\nTraceback ...")
+
+    monkeypatch.setattr(lorarl.export, "export", broken)
+    with pytest.raises(LorarlError, match=r"^export of r as gguf failed: RuntimeError: convert_hf_to_gguf.py exited"):
+        exporting.export_with_gate("r", "gguf", "out", runs_dir=runs)
+
+
+def test_the_workbench_serves_on_loopback_only(tmp_path, capsys):
+    from lorarl.chat.app import check_host, launch
+    from lorarl.cli import main
+
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        check_host(host, workbench=True)
+    for host in ("0.0.0.0", "::", "192.168.1.5", "my-box.local"):
+        with pytest.raises(LorarlError, match="pass --chat-only"):
+            check_host(host, workbench=True)
+        check_host(host, workbench=False)  # the chat alone may (with a warning)
+    with pytest.raises(LorarlError, match="share link"):
+        check_host("127.0.0.1", workbench=True, share=True)
+    # refused before anything loads: a model that does not exist is never looked at
+    with pytest.raises(LorarlError, match="--host 0.0.0.0"):
+        launch(tmp_path, host="0.0.0.0", model=str(tmp_path / "no-model"), workbench=True)
+    assert main(["chat", "--runs", str(tmp_path), "--host", "0.0.0.0", "--model", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lorarl: error: --host 0.0.0.0: the workbench")
+
+
+def test_user_recipe_folders_add_to_the_shipped_ones(tmp_path, tiny_model_dir):
+    from lorarl.chat.app import build_app
+    from lorarl.config import ModelConfig
+    from lorarl.model import SharedBase
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "own.yaml").write_text(QUICKSTART.read_text())
+    assert paths.recipe_folders([mine, SHIPPED]) == [SHIPPED.resolve(), mine.resolve()]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    cfg = ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32", gradient_checkpointing=False)
+    demo = build_app(runs, shared=SharedBase.load(cfg), workbench=True, recipe_dirs=[mine])
+    wb = demo.lorarl_session.workbench
+    assert wb.recipe_dirs == [SHIPPED.resolve(), mine.resolve()]
+    offered = {Path(path).name for _, path in wb.recipe_choices()}
+    assert {"own.yaml", "grpo_arithmetic.yaml", "dpo.yaml"} <= offered
+    assert retrain._recipe_file("dpo", wb.runner.recipe_dirs) == SHIPPED.resolve() / "dpo.yaml"

@@ -56,8 +56,12 @@ def lorarl_sleeper(seconds: float = 30) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, str(seconds), "lorarl"])
 
 
-def write_pid_file(run_dir: Path, pid: int, host: str | None = None) -> None:
+def write_pid_file(run_dir: Path, pid: int, host: str | None = None, proc_start: int | None = None) -> None:
+    """A train.pid as an older writer (no start time) or, with ``proc_start``, as :func:`runstate.write_pid` writes
+    it."""
     info = {"pid": pid, "host": host or socket.gethostname(), "started": runstate.now_iso(), "argv": ["lorarl"]}
+    if proc_start is not None:
+        info["proc_start"] = proc_start
     (run_dir / runstate.PID_FILE).write_text(json.dumps(info))
 
 
@@ -93,6 +97,36 @@ def test_live_pid_is_alive_lorarl_processes_on_this_host_only(tmp_path):
         assert runstate.live_pid(tmp_path) is None  # gone
     finally:
         for p in (live, plain, zombie):
+            p.kill()
+            p.wait()
+
+
+def test_train_pid_names_the_process_by_its_start_time_so_a_reused_pid_is_not_live(tmp_path):
+    runstate.write_pid(tmp_path, argv=["lorarl", "train"])
+    info = json.loads((tmp_path / "train.pid").read_text())
+    field22 = int(Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    assert info["proc_start"] == field22 == runstate.proc_start_ticks(os.getpid())
+    runstate.clear_pid(tmp_path)
+
+    live = lorarl_sleeper()  # "lorarl" in its command line, as the chat app's own process has
+    plain = subprocess.Popen(["sleep", "30"])
+    try:
+        start = runstate.proc_start_ticks(live.pid)
+        assert isinstance(start, int) and start > 0
+        # a stale file: the pid is now another process (its start time differs) -> not live, and Stop signals nothing
+        write_pid_file(tmp_path, live.pid, proc_start=start - 1)
+        assert runstate.live_pid(tmp_path) is None
+        assert runstate.request_stop(tmp_path) is False and live.poll() is None
+        runstate.check_not_live(tmp_path)  # a second trainer is not refused because of it
+        write_pid_file(tmp_path, live.pid, proc_start=start)
+        assert runstate.live_pid(tmp_path) == live.pid
+        # with a start time, the start time decides (a process whose command line does not say lorarl is the one)
+        write_pid_file(tmp_path, plain.pid, proc_start=runstate.proc_start_ticks(plain.pid))
+        assert runstate.live_pid(tmp_path) == plain.pid
+        assert runstate.request_stop(tmp_path) is True and plain.wait(timeout=10) == -signal.SIGTERM
+        assert runstate.live_pid(tmp_path) is None  # gone
+    finally:
+        for p in (live, plain):
             p.kill()
             p.wait()
 
@@ -231,6 +265,32 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_is_bit_identical(tiny_model_
     assert without_timings(ra) == without_timings(rb)
     ca = (tmp_path / "straight" / "completions.jsonl").read_text()
     assert ca == (out / "completions.jsonl").read_text() and "stale" not in ca
+
+
+def test_sigterm_after_the_steps_stop_check_still_saves_that_step(tiny_model_dir, tmp_path, monkeypatch):
+    """SIGTERM between the end of step 1's stop check and the start of step 2: the loop stops at its next check,
+    with a checkpoint of step 1 (save_every 0: the stop is the only checkpoint); resume runs steps 2 and 3 only."""
+    import lorarl.algos.loop as loop_module
+
+    real = loop_module.write_state
+
+    def write_state(run_dir, state, step, last_step, error=None):
+        out = real(run_dir, state, step, last_step, error)
+        if state == "running" and step == 1:  # the last thing a step does, after its `stopping` was computed
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(loop_module, "write_state", write_state)
+    recipe = recipe_from_dict(tiny(tiny_model_dir, tmp_path))
+    out = tmp_path / "run"
+    stopped = train(recipe, out)
+    assert stopped["stopped"] is True and stopped["step"] == 1 and stopped["steps_this_run"] == 1
+    assert stopped["checkpoint"] == str(out / "checkpoints" / "step-000001")
+    assert (out / "checkpoints" / "step-000001" / "COMPLETE").is_file()
+    assert runstate.read_state(out)["state"] == "stopped" and runstate.read_state(out)["step"] == 1
+    monkeypatch.setattr(loop_module, "write_state", real)
+    resumed = train(recipe, out, resume=True)
+    assert resumed["steps_this_run"] == 2 and [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
 def test_grpo_completions_rows_hold_the_group_and_its_advantages(tiny_model_dir, tmp_path):

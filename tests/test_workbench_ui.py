@@ -8,11 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.app.memory import DeviceFigures, MemoryGuard, launch_refusal, pause_reason, planned_peak
+from lorarl.app.memory import (
+    DeviceFigures,
+    MemoryGuard,
+    Plan,
+    Work,
+    launch_refusal,
+    pause_reason,
+    planned,
+    planned_peak,
+    room_for_run,
+)
 from lorarl.errors import LorarlError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "grpo_arithmetic.yaml"
+GPU = DeviceFigures(
+    total=int(80e9), chat_peak=int(12e9), chat_allocated=int(1e9), free=int(78e9), chat_reserved=int(1e9)
+)
 
 
 # ---- the memory rule ------------------------------------------------------------------------------------------
@@ -23,26 +36,198 @@ def test_pause_reason_boundary_and_figures():
     assert "run quick" in line and "70.00 GB" in line and "10.10 GB" in line and "80.00 GB" in line
 
 
-def test_launch_refusal_counts_the_chat_model():
-    assert launch_refusal(79e9, 1e9, 80e9) is None
-    line = launch_refusal(79.5e9, 1e9, 80e9)
-    assert "79.50 GB" in line and "1.00 GB" in line and "80.00 GB" in line and line.startswith("not launched")
+def test_room_for_run_counts_the_chat_and_what_the_driver_says_is_free():
+    # 80 GB, the chat 2 GB allocated / 3 GB reserved, 70 GB free (its CUDA context and another process hold the rest)
+    fig = DeviceFigures(total=80, chat_peak=5, chat_allocated=2, free=70, chat_reserved=3)
+    assert room_for_run(fig) == 71  # min(80 - 2, 70 + 3 - 2)
+    assert room_for_run(DeviceFigures(total=80, chat_peak=5, chat_allocated=2)) == 78  # no driver figure
+    assert room_for_run(DeviceFigures(total=80, chat_peak=5, chat_allocated=2, free=90, chat_reserved=2)) == 78
 
 
-def _guard(live, figures, peak):
-    return MemoryGuard(lambda: live, figures=lambda: figures, planner=lambda path, overrides, budget_gb: peak)
+def test_launch_refusal_against_the_room():
+    assert launch_refusal(79e9, 79e9, 80e9) is None
+    line = launch_refusal(79.5e9, 79e9, 80e9)
+    assert "79.50 GB" in line and "79.00 GB" in line and "80.00 GB" in line and line.startswith("not started")
+
+
+def _guard(live, figures, peak, **kw):
+    return MemoryGuard(lambda: live, figures=lambda: figures, planner=lambda path, ov, budget_gb: peak, **kw)
 
 
 def test_guard_pauses_only_on_cuda_with_a_live_run_that_does_not_fit(tmp_path):
     run = tmp_path / "quick"
-    gpu = DeviceFigures(total=int(80e9), chat_peak=int(12e9), chat_allocated=int(1e9))
-    assert _guard(run, gpu, 70e9).chat_pause() is not None  # 70 + 12 > 80
-    assert _guard(run, DeviceFigures(int(80e9), int(5e9), int(1e9)), 70e9).chat_pause() is None  # 75 <= 80
-    assert _guard(None, gpu, 70e9).chat_pause() is None  # no run training
+    run.mkdir()
+    (run / "recipe.yaml").write_text("algo: grpo\n")
+    assert _guard(run, GPU, 70e9).chat_pause().startswith("chat paused while run quick trains: its planned peak")
+    small_chat = DeviceFigures(int(80e9), int(5e9), int(1e9), int(78e9), int(1e9))
+    assert _guard(run, small_chat, 70e9).chat_pause() is None  # 75 <= 80
+    assert _guard(None, GPU, 70e9).chat_pause() is None  # no run training
     assert _guard(run, None, 70e9).chat_pause() is None  # a CPU: never paused
-    assert _guard(run, gpu, None).chat_pause() is None  # the planner cannot tell: no pause on a guess
-    assert _guard(None, gpu, 79.5e9).launch_check(QUICKSTART, []) is not None  # 79.5 + 1 > 80
-    assert _guard(None, None, 79.5e9).launch_check(QUICKSTART, []) is None
+
+
+@pytest.mark.parametrize("planner_result", [None, RuntimeError("no such model")])
+def test_no_estimate_pauses_the_chat_with_the_measured_figures(tmp_path, planner_result):
+    """The planner cannot tell: the chat is paused (never "no protection"), with why and the driver's free memory."""
+    run = tmp_path / "quick"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("algo: grpo\n")
+
+    def planner(path, overrides, budget_gb):
+        if isinstance(planner_result, Exception):
+            raise planner_result
+        return planner_result
+
+    released = []
+    guard = MemoryGuard(lambda: run, figures=lambda: GPU, planner=planner, release=lambda: released.append(1))
+    line = guard.chat_pause()
+    assert line.startswith("chat paused while run quick trains: the planner cannot estimate its peak")
+    assert "78.00 GB of the GPU's 80.00 GB free" in line and released == [1]
+    if planner_result is not None:
+        assert "no such model" in line
+
+
+def test_a_failed_estimate_is_not_cached_and_a_success_is_cached_per_recipe_version(tmp_path):
+    run = tmp_path / "quick"
+    run.mkdir()
+    recipe = run / "recipe.yaml"
+    calls = []
+
+    def planner(path, overrides, budget_gb):
+        calls.append((path, budget_gb))
+        if len(calls) == 1:
+            raise OSError("recipe.yaml half written")
+        return Plan(70e9)
+
+    guard = MemoryGuard(lambda: run, figures=lambda: GPU, planner=planner, release=lambda: None)
+    assert "cannot estimate" in guard.chat_pause()  # before the run wrote its recipe: no call, paused
+    assert calls == []
+    recipe.write_text("algo: grpo\n")
+    assert "half written" in guard.chat_pause()  # the planner failed once: paused, not cached
+    assert "its planned peak 70.00 GB" in guard.chat_pause()  # tried again: 70 + 12 > 80
+    guard.chat_pause()
+    assert len(calls) == 2 and calls[-1] == (recipe, 80.0)  # cached; planned against the device total, as the run
+    import os
+
+    st = recipe.stat()
+    os.utime(recipe, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: planned again
+    guard.chat_pause()
+    assert len(calls) == 3
+
+
+class _Lock:
+    """A lock that records whether it is held (the chat engine's lock in the guard)."""
+
+    held = False
+
+    def __enter__(self):
+        self.held = True
+
+    def __exit__(self, *exc):
+        self.held = False
+
+
+def test_start_refuses_a_run_that_does_not_fit_the_room_and_starts_nothing(tmp_path):
+    events = []
+    fig = DeviceFigures(total=int(24e9), chat_peak=int(3e9), chat_allocated=int(2e9), free=int(21e9), chat_reserved=3e9)
+    guard = MemoryGuard(
+        lambda: None,
+        figures=lambda: events.append("measure") or fig,
+        planner=lambda path, ov, budget_gb: events.append(("plan", round(budget_gb, 3))) or Plan(22.5e9),
+        release=lambda: events.append("release"),
+    )
+    work = Work("the launch of run big", tmp_path / "big", QUICKSTART, ("train.steps=2",))
+    with pytest.raises(LorarlError) as e:
+        guard.start(work, lambda ov: events.append("go"))
+    # room = min(24 - 2, 21 + 3 - 2) = 22 GB < 22.5 GB; measured after the chat's cache went back
+    assert "22.50 GB > the 22.00 GB left beside the chat" in str(e.value) and "24.00 GB" in str(e.value)
+    assert "go" not in events and events.index("release") < events.index(("plan", 22.0))
+
+
+def test_start_pins_an_auto_micro_batch_for_the_room_and_plans_resumes_as_the_run_does(tmp_path):
+    budgets = []
+    lock = _Lock()
+
+    def planner(path, ov, budget_gb):
+        budgets.append(budget_gb)
+        return Plan(30e9, micro_batch=3)
+
+    guard = MemoryGuard(lambda: None, figures=lambda: GPU, planner=planner, release=lambda: None, lock=lock)
+    seen = []
+    started, adm = guard.start(
+        Work("launch", tmp_path / "a", QUICKSTART, ("train.steps=2",)), lambda ov: seen.append((ov, lock.held)) or "a"
+    )
+    assert started == "a" and seen == [(["train.steps=2", "train.micro_batch_size=3"], True)]
+    assert budgets == [78.0] and "micro-batch 3" in adm.note  # room: min(80 - 1, 78 free + 1 - 1)
+    _, adm = guard.start(Work("resume", tmp_path / "a", QUICKSTART, pin=False), lambda ov: seen.append(ov))
+    assert seen[-1] == [] and budgets[-1] == 80.0  # a resume keeps its recipe (bit-identical), planned on the total
+
+
+def test_a_run_launched_here_is_planned_from_its_launch_before_its_recipe_exists(tmp_path):
+    """A chat message sent before the child wrote RUN/recipe.yaml uses the peak planned at launch."""
+    run = tmp_path / "quick"
+    live = []
+    guard = MemoryGuard(
+        lambda: live[0] if live else None,
+        figures=lambda: GPU,
+        planner=lambda path, ov, budget_gb: Plan(70e9) if path == QUICKSTART else None,
+        release=lambda: None,
+    )
+    guard.start(Work("launch", run, QUICKSTART), lambda ov: live.append(run))
+    assert not (run / "recipe.yaml").exists()
+    assert "its planned peak 70.00 GB" in guard.chat_pause()
+
+
+def test_a_launch_the_planner_cannot_estimate_starts_with_chat_paused(tmp_path):
+    run = tmp_path / "rm"
+    live = []
+    guard = MemoryGuard(
+        lambda: live[0] if live else None,
+        figures=lambda: GPU,
+        planner=lambda path, ov, budget_gb: (_ for _ in ()).throw(LorarlError("the planner models grpo, not sft")),
+        release=lambda: None,
+    )
+    _, adm = guard.start(Work("launch", run, QUICKSTART), lambda ov: live.append(run))
+    assert "cannot estimate this run (the planner models grpo, not sft)" in adm.note
+    assert "78.00 GB free for it beside the chat (measured)" in adm.note and "chat paused" in adm.note
+    assert "cannot estimate its peak" in guard.chat_pause()
+
+
+def test_an_export_in_this_process_is_refused_beside_a_run_and_pauses_the_chat(tmp_path):
+    live = [tmp_path / "quick"]
+    guard = MemoryGuard(lambda: live[0] if live else None, figures=lambda: GPU, planner=None, release=lambda: None)
+    ran = []
+    with pytest.raises(LorarlError, match="loads models in this app's process, beside run quick"):
+        guard.start(Work("the export of quick/policy"), lambda ov: ran.append(1))
+    assert ran == []
+    live.clear()
+    during = []
+
+    def export(ov):
+        during.append(guard.chat_pause())
+        with pytest.raises(LorarlError, match="the export of quick/policy is running"):
+            guard.start(Work("launch", tmp_path / "b", QUICKSTART), lambda ov: ran.append(2))
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        guard.start(Work("the export of quick/policy"), export)
+    assert during == [
+        "chat paused while the export of quick/policy runs in this app's process (it loads models beside the chat)"
+    ]
+    assert ran == [] and guard.chat_pause() is None  # a failed export leaves nothing busy
+
+
+def test_cpu_starts_everything_as_given(tmp_path):
+    guard = _guard(None, None, 1e15)
+    out, adm = guard.start(Work("launch", tmp_path / "a", QUICKSTART, ("train.steps=2",)), lambda ov: ov)
+    assert out == ["train.steps=2"] and adm.note == ""
+
+
+def test_planned_picks_an_auto_micro_batch_and_refuses_what_it_does_not_model():
+    auto = planned(QUICKSTART, ["train.micro_batch_size=auto"], 24.0)
+    assert isinstance(auto.micro_batch, int) and auto.micro_batch >= 1 and auto.peak > 0
+    assert planned(QUICKSTART, [], 24.0).micro_batch is None  # the recipe gives a number
+    with pytest.raises(LorarlError, match="not reward_model"):
+        planned(REPO / "recipes" / "reward_model.yaml", [], 24.0)
 
 
 def test_planned_peak_grows_with_the_group_size():
@@ -78,7 +263,9 @@ def wb(tiny_model_dir, tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     demo = build_app(runs, shared=SharedBase.load(cfg), workbench=True, recipe_dirs=[REPO / "recipes"])
-    return demo.lorarl_session.workbench
+    wb = demo.lorarl_session.workbench
+    wb.demo = demo
+    return wb
 
 
 def _fields(wb) -> tuple[list[str], dict[str, str]]:
@@ -147,10 +334,157 @@ def test_launch_refuses_paths_from_the_page(wb, recipe, model, run_name, why):
 def test_launch_refused_when_the_run_would_not_fit_beside_the_chat(wb):
     keys, values = _fields(wb)
     gpu = DeviceFigures(total=int(24e9), chat_peak=int(2e9), chat_allocated=int(1e9))
-    wb.memory = MemoryGuard(wb.runner.live, figures=lambda: gpu, planner=lambda path, overrides, budget_gb: 23.5e9)
+    wb.memory = MemoryGuard(wb.runner.live, figures=lambda: gpu, planner=lambda path, ov, budget_gb: 23.5e9)
     out = wb.on_launch(str(QUICKSTART), "smollm2-135m", keys, "big", *_slot_values(keys, values))
-    assert "23.50 GB" in out[-3] and "1.00 GB" in out[-3] and "24.00 GB" in out[-3]
+    assert "23.50 GB > the 23.00 GB left beside the chat" in out[-3] and "24.00 GB" in out[-3]
     assert list(wb.runs_dir.iterdir()) == []
+
+
+def _fake_run(runs: Path, name: str, model: str, adapter: bool = False) -> Path:
+    """A stopped run folder (its recipe: the quickstart on ``model``), with a policy adapter folder if asked."""
+    from lorarl.config import yaml_load
+    from lorarl.runstate import write_state
+
+    run = runs / name
+    run.mkdir(parents=True)
+    data = yaml_load(QUICKSTART.read_text())
+    data["model"]["name"] = model
+    import yaml
+
+    (run / "recipe.yaml").write_text(yaml.safe_dump(data))
+    write_state(run, "stopped", 1, 2)
+    if adapter:
+        (run / "policy").mkdir()
+        (run / "policy" / "adapter_config.json").write_text("{}")
+    return run
+
+
+def _votes(runs: Path, n: int = 2) -> None:
+    import json
+
+    rows = [{"prompt": f"q{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(n)]
+    (runs / "preferences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_every_path_beside_the_chat_goes_through_the_memory_guard(wb, monkeypatch):
+    """Resume, both retrains and the export are refused by the guard on a GPU without room: nothing starts."""
+    from lorarl.app import exporting
+
+    base = str(wb.catalog.base_model)
+    _fake_run(wb.runs_dir, "old", base, adapter=True)
+    _votes(wb.runs_dir)
+    started = []
+    monkeypatch.setattr(wb.runner, "launch", lambda *a, **k: started.append(("launch", a)))
+    monkeypatch.setattr(wb.runner, "resume", lambda *a, **k: started.append(("resume", a)))
+    monkeypatch.setattr(exporting, "export_with_gate", lambda *a, **k: started.append(("export", a)))
+    gpu = DeviceFigures(total=int(24e9), chat_peak=int(2e9), chat_allocated=int(1e9))
+    live = []
+    planned_for = []
+
+    def planner(path, ov, budget_gb):
+        planned_for.append(Path(path).parent.name)
+        return Plan(30e9)
+
+    wb.memory = MemoryGuard(lambda: live[0] if live else None, figures=lambda: gpu, planner=planner, release=lambda: 0)
+    assert "30.00 GB > the 23.00 GB left beside the chat" in wb.on_resume("old")
+    for kind in ("dpo", "reward_model"):
+        status = wb.retrain_handler(kind)("old/policy")[0]
+        assert "30.00 GB > the 23.00 GB" in status, status
+    assert planned_for == ["old", "recipes", "recipes"]  # the run's own recipe, then dpo.yaml and reward_model.yaml
+    live.append(wb.runs_dir / "old")
+    wb.catalog.scan()
+    status = wb.on_export("old/policy", "merged", "x")[0]
+    assert "loads models in this app's process, beside run old" in status
+    assert started == []
+    live.clear()
+
+    def broken(*a, **k):
+        raise ValueError("a failure outside the export's own errors")
+
+    monkeypatch.setattr(exporting, "export_with_gate", broken)
+    status = wb.on_export("old/policy", "merged", "x")[0]
+    assert status == "**error:** ValueError: a failure outside the export's own errors"
+    assert wb.memory.chat_pause() is None  # the failed export left nothing busy
+
+
+def test_the_reward_model_retrain_starts_a_fresh_adapter_and_says_so(wb, monkeypatch):
+    base = str(wb.catalog.base_model)
+    _fake_run(wb.runs_dir, "old", base, adapter=True)
+    _votes(wb.runs_dir)
+    wb.catalog.scan()
+    launched = []
+
+    def launch(recipe, name, overrides):
+        launched.append((Path(recipe).name, overrides))
+        (wb.runs_dir / name).mkdir()
+        (wb.runs_dir / name / "train.log").touch()
+        return wb.runs_dir / name
+
+    monkeypatch.setattr(wb.runner, "launch", launch)
+    status = wb.retrain_handler("reward_model")("old/policy")[0]
+    assert "reward_model on the votes (a fresh reward adapter on the base of `old/policy`)" in status
+    status = wb.retrain_handler("dpo")("old/policy")[0]
+    assert "dpo on the votes from `old/policy`" in status
+    (rm_recipe, rm_over), (dpo_recipe, dpo_over) = launched
+    assert rm_recipe == "reward_model.yaml" and not any(o.startswith("model.init_adapter=") for o in rm_over)
+    assert dpo_recipe == "dpo.yaml" and any(o.startswith("model.init_adapter=") for o in dpo_over)
+    from lorarl.app.layout import RM_NOTE
+
+    assert "trains a fresh reward adapter" in RM_NOTE and RM_NOTE in str(wb.demo.config)
+
+
+def test_the_page_says_which_runs_the_panes_show(wb):
+    base = str(wb.catalog.base_model)
+    _fake_run(wb.runs_dir, "mine", base, adapter=True)
+    _fake_run(wb.runs_dir, "other", "smollm2-135m", adapter=True)
+    _, start, note = wb.on_chat_tab(None)
+    assert f"Only runs trained on the chat's base model (`{base}`) show in the chat panes" in note
+    assert "Left out: other (trained on smollm2-135m)" in note
+    assert "mine/policy" in [c[1] for c in start.choices] and "other/policy" not in [c[1] for c in start.choices]
+    assert f"(`{base}`) show in the chat panes" in str(wb.demo.config)  # the Train tab and the Chat tab say it too
+
+
+def test_plan_line_on_cuda_budgets_the_room_beside_the_chat(wb, monkeypatch):
+    """On CUDA the plan line measures against total minus the chat (what a launch is checked against)."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(name="FakeGPU", total_memory=int(80e9))
+    )
+    fig = DeviceFigures(total=int(80e9), chat_peak=int(40e9), chat_allocated=int(30e9))
+    wb.memory = MemoryGuard(wb.runner.live, figures=lambda: fig, planner=None, release=lambda: None)
+    line = wb.on_recipe(str(QUICKSTART))[-2]
+    assert " of 50.0 GB on FakeGPU" in line, line
+
+
+def test_watch_time_left_includes_evaluation(wb):
+    """Step times 2 and 4 s (median 3), a 6 s evaluation at step 2, step 2 of 4 running: (3 + 6 / 2) x 2 = 12 s."""
+    import json
+
+    from lorarl.runstate import write_pid, write_state
+
+    run = wb.runs_dir / "evals"
+    run.mkdir()
+    rows = [{"step": 1, "step_time": 2.0}, {"step": 2, "step_time": 4.0, "time/evaluation": 6.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_pid(run)  # this process: a live run
+    write_state(run, "running", 2, 4)
+    out = wb.on_poll("evals", None)
+    assert out[1] == "step 2/4, 3.0 s/step, about 0m12s left", out[1]
+
+
+def test_time_left_formulas():
+    from lorarl.app.timeleft import eta_seconds, evaluation_per_step
+
+    rows = [{"step": 5, "time/evaluation": 30.0}, {"step": 10, "time/evaluation": 30.0}, {"step": 12, "x": 1}]
+    assert evaluation_per_step(rows, 10) == 6.0  # 60 s over 10 steps
+    assert evaluation_per_step(rows, 7) == 30.0 / 7  # the evaluation of step 10 is not seen yet
+    assert evaluation_per_step(rows, 0) == 0.0 and evaluation_per_step([], 5) == 0.0
+    assert eta_seconds([2.0, 3.0, 10.0], 10, 20, 6.0) == 90.0
+    assert eta_seconds([2.0], 20, 20, 6.0) == 0.0 and eta_seconds([], 1, 20, 6.0) is None
 
 
 def test_watch_export_and_retrain_refuse_names_outside_the_folders(wb):
@@ -178,6 +512,7 @@ def test_view_outputs_crash_lines_and_buttons():
         warnings=["step 2: health: no reward signal"],
         completions=[{"step": 2, "prompt": "p" * 500, "completion": "c", "reward": 1.0}],
         crash_lines=["Traceback", "RuntimeError: boom"],
+        resumable=True,
     )
     out = view_outputs(crashed, fresh=True, live_run=None)
     assert len(out) == POLL_OUTPUTS
@@ -190,6 +525,9 @@ def test_view_outputs_crash_lines_and_buttons():
     (row,) = out[10]
     assert row[0] == 2 and row[1] == 1.0 and len(row[3]) == 160 and row[3].startswith("…")
     assert out[-2].interactive is False and out[-1].interactive is True  # stopped / crashed: Resume
+    import dataclasses
+
+    assert view_outputs(dataclasses.replace(crashed, resumable=False))[-1].interactive is False  # the backend says no
     busy = view_outputs(crashed, fresh=False, live_run=Path("elsewhere"))
     assert busy[-1].interactive is False  # another run trains: the one-job rule
     import gradio as gr
@@ -201,3 +539,6 @@ def test_view_outputs_crash_lines_and_buttons():
     assert exiting[-2].interactive is False and exiting[-1].interactive is False
     running = WatchView(run="r", state="running", error=None, progress=Progress(step=1, last_step=10))
     assert view_outputs(running, live_run=Path("runs/r"))[-2].interactive is True
+    # a pipeline's stage pipe/r trains: not this top-level run r (same folder name)
+    other = view_outputs(finished, live_run=Path("runs/pipe/r"), live_label="pipe/r")
+    assert not other[0].endswith("(its process is still exiting)")

@@ -210,8 +210,12 @@ def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict]
     recipe, algo, loop, shared, run_dir = ctx["recipe"], ctx["algo"], ctx["loop"], ctx["shared"], ctx["run_dir"]
     last_step, logger, samples, bar = ctx["last_step"], ctx["logger"], ctx["samples"], ctx["bar"]
     history: list[dict] = []
+    saved_step = start_step  # the step of the newest checkpoint (the one resumed from, or none at 0)
     for step in range(start_step + 1, last_step + 1):
-        if stop.requested:  # asked during set-up: nothing changed since the last checkpoint
+        if stop.requested:  # asked during set-up, or after the last step's `stopping` was computed
+            if loop.step > saved_step:  # the steps since the newest checkpoint are kept
+                save(run_dir, algo, shared, loop, recipe)
+                tqdm.write(f"step {loop.step}: stop requested: checkpoint saved; `lorarl train --resume` continues")
             return history, True
         t0, cpu0 = time.perf_counter(), time.process_time()
         torch.manual_seed(step_seed(recipe.train.seed, step))
@@ -237,6 +241,7 @@ def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict]
         save_every = recipe.train.save_every
         if stopping or (save_every > 0 and (step % save_every == 0 or step == last_step)):
             save(run_dir, algo, shared, loop, recipe)
+            saved_step = step
         if stopping:
             tqdm.write(f"step {step}: stop requested: checkpoint saved; `lorarl train --resume` continues")
             return history, True

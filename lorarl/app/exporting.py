@@ -14,6 +14,7 @@ from typing import Literal
 
 from lorarl.app.paths import checked_run, export_folder
 from lorarl.errors import LorarlError
+from lorarl.runstate import error_line
 
 Format = Literal["merged", "adapter", "gguf"]
 FORMATS = ("merged", "adapter", "gguf")
@@ -53,7 +54,8 @@ def export_with_gate(
     """Export run ``run_dir`` (a run folder inside ``runs_dir``; ``checkpoint`` a step name, else its final adapter)
     as ``fmt`` into ``RUNS/exports/out_dir``; returns ``{"out", "format", "step", "files", "bytes", "gate": the
     gate's figures, "summary": the gate's one line, "notes"}``. Raises LorarlError (one line) for anything refused:
-    a path outside the runs folder, an unknown format, an existing export without ``force``, a failed ``gate``."""
+    a path outside the runs folder, an unknown format, an existing export without ``force``, a failed ``gate``; and
+    for any other failure of the export (its one line, :func:`lorarl.runstate.error_line`, the cause chained)."""
     from lorarl.export import export
     from lorarl.export.gate import summary_line
 
@@ -64,17 +66,22 @@ def export_with_gate(
     out = export_folder(out_dir, runs_dir)
     if gate_n < 1:
         raise LorarlError("the workbench always runs the fidelity gate: gate_n must be >= 1")
-    result = export(
-        run,
-        out,
-        fmt=fmt,
-        dtype=dtype,
-        force=force,
-        checkpoint=checkpoint or None,
-        quant=quant,
-        gate=gate,
-        gate_n=gate_n,
-    )
+    try:
+        result = export(
+            run,
+            out,
+            fmt=fmt,
+            dtype=dtype,
+            force=force,
+            checkpoint=checkpoint or None,
+            quant=quant,
+            gate=gate,
+            gate_n=gate_n,
+        )
+    except LorarlError:
+        raise
+    except Exception as e:  # a converter, a full disk, out of memory: the page shows one line, the app goes on
+        raise LorarlError(f"export of {run.name} as {fmt} failed: {error_line(e)}") from e
     report = result["gate"]
     figures = {k: report.get(k) for k in GATE_FIGURES if k in report}
     return {

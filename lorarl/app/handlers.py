@@ -16,10 +16,11 @@ from typing import Any
 
 import gradio as gr
 
+from lorarl import runstate
 from lorarl.app import exporting, jobs, recipes, retrain, watch
-from lorarl.app.layout import MAX_FIELDS, PLOTS, WorkbenchWidgets, build_workbench
-from lorarl.app.memory import MemoryGuard
-from lorarl.app.paths import checked_run, shipped_recipes_dir
+from lorarl.app.layout import MAX_FIELDS, PLOTS, WorkbenchWidgets, base_note, build_workbench
+from lorarl.app.memory import MemoryGuard, Work
+from lorarl.app.paths import check_name, checked_run, shipped_recipes_dir
 from lorarl.chat.catalog import BASE_ID, Catalog
 from lorarl.errors import LorarlError
 
@@ -50,7 +51,7 @@ class Workbench:
         self.runs_dir = Path(runs_dir).expanduser().resolve()
         self.recipe_dirs = [Path(d).expanduser().resolve() for d in recipe_dirs]
         self.runner = jobs.JobRunner(self.runs_dir, self.recipe_dirs)
-        self.memory = MemoryGuard(self.runner.live)
+        self.memory = MemoryGuard(self.runner.live, lock=getattr(session.engine, "lock", None))
         session.pause = self.memory.chat_pause
         self._watches: dict[Path, Any] = {}
         self._shown: dict[tuple[str, Path], tuple] = {}  # (browser session, run) -> view_stamp last sent
@@ -104,7 +105,7 @@ class Workbench:
             [f.key for f in others],
             *slots,
             *[""] * MAX_FIELDS,
-            recipes.plan_line(recipe),
+            self.plan_line(recipe),
             "",
         ]
 
@@ -126,7 +127,19 @@ class Workbench:
         if errors:
             general = errors.get("", "")
             return recipe, None, outputs, "fix the fields marked in red" + (f": {general}" if general else "")
-        return recipe, overrides, outputs, recipes.plan_line(recipe, overrides)
+        return recipe, overrides, outputs, self.plan_line(recipe, overrides)
+
+    def plan_line(self, recipe: Path, overrides: list[str] | None = None) -> str:
+        """The planner's line; on CUDA its budget is the room a launch would get beside the chat
+        (:func:`lorarl.app.memory.room_for_run`), the figure the launch is checked against."""
+        return recipes.plan_line(recipe, overrides, budget_gb=self.memory.room_gb())
+
+    # ---- the one door: every run, resume, retrain and export starts through the memory guard -----------------------
+    def _launch(self, recipe: Path, name: str, overrides: list[str]) -> tuple[Path, str]:
+        """Launch a new run through :meth:`MemoryGuard.start`; ``(run folder, the guard's note)``."""
+        work = Work(f"the launch of run {name}", self.runs_dir / name, Path(recipe), tuple(overrides), pin=True)
+        run_dir, admission = self.memory.start(work, lambda ov: self.runner.launch(recipe, name, ov))
+        return run_dir, admission.note
 
     def on_check(self, path, model, keys, *slot_values):
         try:
@@ -144,15 +157,15 @@ class Workbench:
             return [gr.skip()] * (1 + MAX_FIELDS) + [gr.skip(), _err(e), *skip_watch]
         if overrides is None:
             return [*outputs, plan, "**not launched:** a field was refused", *skip_watch]
-        refusal = self.memory.launch_check(recipe, overrides)
-        if refusal:
-            return [*outputs, plan, f"**{refusal}**", *skip_watch]
         try:
-            run_dir = self.runner.launch(recipe, (run_name or "").strip(), overrides)
+            name = (run_name or "").strip()
+            check_name(name)
+            run_dir, note = self._launch(recipe, name, overrides)
         except LorarlError as e:
             return [*outputs, plan, f"**not launched:** {e}", *skip_watch]
         shown = " ".join(overrides) or "(none)"
         status = f"launched `{Path(run_dir).name}`: `lorarl train {recipe.name} --out {run_dir}` overrides: `{shown}`"
+        status += f" ({note})" if note else ""
         return [*outputs, plan, status, gr.Tabs(selected="watch"), gr.Dropdown(self.run_choices(), value=run_dir.name)]
 
     # ---- Watch ------------------------------------------------------------------------------------------------
@@ -164,7 +177,7 @@ class Workbench:
     def _watch(self, run_dir: Path):
         w = self._watches.get(run_dir)
         if w is None:
-            w = self._watches[run_dir] = watch.RunWatch(run_dir)
+            w = self._watches[run_dir] = watch.RunWatch(run_dir, self.runner.label(run_dir))
         return w
 
     def on_runs(self, current: str | None):
@@ -180,14 +193,16 @@ class Workbench:
         try:
             run_dir = self._run_dir(run)
             with self._lock:  # one poll of a run at a time: RunWatch keeps file offsets
-                view = self._watch(run_dir).poll()
+                follower = self._watch(run_dir)
+                view = follower.poll()
         except LorarlError as e:
             return [_err(e), *[gr.skip()] * (POLL_OUTPUTS - 1)]
         key = (getattr(request, "session_hash", None) or "api", run_dir)
         stamp = view_stamp(view)
         fresh = self._shown.get(key) != stamp
         self._shown[key] = stamp
-        return view_outputs(view, fresh, self.runner.live())
+        live = self.runner.live()
+        return view_outputs(view, fresh, live, self.runner.label(live) if live is not None else None)
 
     def on_stop(self, run: str):
         try:
@@ -196,11 +211,19 @@ class Workbench:
             return _err(e)
 
     def on_resume(self, run: str):
+        """Resume through the memory guard, planned from what the resume runs (:func:`lorarl.app.jobs.resume_source`:
+        the launch's recipe and overrides, else RUN/recipe.yaml)."""
         try:
-            run_dir = self.runner.resume(self._run_dir(run))
+            run_dir = self._run_dir(run)
+            label = self.runner.label(run_dir)
+            recipe, overrides, _ = jobs.resume_source(run_dir, self.recipe_dirs, self.runs_dir)
+            work = Work(f"the resume of run {label}", run_dir, recipe, tuple(overrides), pin=False)
+            run_dir, admission = self.memory.start(work, lambda _: self.runner.resume(run_dir))
         except LorarlError as e:
             return _err(e)
-        return f"resumed `{Path(run_dir).name}`: `lorarl train RUN/recipe.yaml --out RUN --resume`"
+        note = f" ({admission.note})" if admission.note else ""
+        shown = " ".join([str(recipe), *overrides])
+        return f"resumed `{label}`: `lorarl train {shown} --out RUN --resume`{note}"
 
     # ---- Chat: votes -> retrain -------------------------------------------------------------------------------
     def votes_line(self) -> str:
@@ -210,22 +233,42 @@ class Workbench:
             return _err(e)
         return retrain.summary_line(s) if hasattr(retrain, "summary_line") else f"votes: {s}"
 
+    def panes_note(self) -> str:
+        """Which runs the panes offer (trained on the chat's base) and the runs left out, with why."""
+        line = base_note(self.catalog.base_model)
+        skipped = list(self.catalog.skipped)
+        if skipped:
+            line += (
+                " Left out: " + "; ".join(skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+            )
+        return line
+
     def on_chat_tab(self, start: str | None):
         choices = self.checkpoint_choices()
         ids = {c[1] for c in choices}
-        return self.votes_line(), gr.Dropdown(choices=choices, value=start if start in ids else BASE_ID)
+        start_dd = gr.Dropdown(choices=choices, value=start if start in ids else BASE_ID)
+        return self.votes_line(), start_dd, self.panes_note()
 
     def retrain_handler(self, kind: str) -> Callable:
         def on_retrain(start: str):
             try:
                 self.catalog.get(start or BASE_ID)  # a checkpoint the catalog lists, nothing else
+                notes: list[str] = []
+
+                def launch(recipe: Path, name: str, overrides: list[str]) -> Path:
+                    run_dir, note = self._launch(recipe, name, overrides)
+                    notes.append(note)
+                    return run_dir
+
                 run_dir = retrain.launch_retrain(
-                    self.runner, kind, start or BASE_ID, base_model=self.catalog.base_model
+                    self.runner, kind, start or BASE_ID, base_model=self.catalog.base_model, launch=launch
                 )
             except LorarlError as e:
                 return _err(e), gr.skip(), gr.skip()
             name = Path(run_dir).name
-            msg = f"launched `{name}`: {kind} on the votes from `{start}`; watch it in the Watch tab"
+            origin = f"from `{start}`" if kind == "dpo" else f"(a fresh reward adapter on the base of `{start}`)"
+            msg = f"launched `{name}`: {kind} on the votes {origin}; watch it in the Watch tab"
+            msg += f" ({notes[0]})" if notes and notes[0] else ""
             return msg, gr.Tabs(selected="watch"), gr.Dropdown(self.run_choices(), value=name)
 
         return on_retrain
@@ -246,11 +289,16 @@ class Workbench:
                 raise LorarlError(f"{checkpoint_id}: only a run's adapter checkpoints export from here")
             step = checkpoint_id.split("/", 1)[1] if entry.step is not None else None
             out_name = (name or "").strip() or f"{entry.run}-{step or 'final'}-{fmt}"
-            result = exporting.export_with_gate(
-                self.runs_dir / entry.run, fmt, out_name, runs_dir=self.runs_dir, checkpoint=step
+            result, _ = self.memory.start(
+                Work(f"the export of {checkpoint_id}", None),
+                lambda _: exporting.export_with_gate(
+                    self.runs_dir / entry.run, fmt, out_name, runs_dir=self.runs_dir, checkpoint=step
+                ),
             )
         except LorarlError as e:
             return _err(e), "", gr.skip()
+        except Exception as e:  # noqa: BLE001 - a failure outside the export's own (the catalog, the guard): one line
+            return _err(runstate.error_line(e)), "", gr.skip()
         summary, rows = gate_view(result)
         status = f"exported `{entry.id}` as {fmt} to `{result.get('out')}`"
         return status, summary, gr.Dataframe(value=rows, visible=bool(rows))
@@ -333,15 +381,19 @@ def state_markdown(view: watch.WatchView) -> str:
     return text
 
 
-def view_outputs(view: watch.WatchView, fresh: bool = True, live_run: Path | None = None) -> list:
+def view_outputs(
+    view: watch.WatchView, fresh: bool = True, live_run: Path | None = None, live_label: str | None = None
+) -> list:
     """A :class:`~lorarl.app.watch.WatchView` as the Watch tab's outputs (the order of :data:`POLL_OUTPUTS`);
     ``fresh`` False: the curves and the table are left as the browser has them. ``live_run``: the run a process is
-    training now (any run: Resume waits until no process is left, as the one-job rule does)."""
+    training now (any run: Resume waits until no process is left, as the one-job rule does), ``live_label`` how the
+    page names it (``NAME`` or ``PIPELINE/STAGE``; default the folder's name). Resume is enabled when
+    ``view.resumable`` and no process trains."""
     plots = [_frame(view.series.get(label, [])) if fresh else gr.skip() for label in PLOTS]
     warnings = "\n".join(f"- ⚠ {_clip(w, 400)}" for w in view.warnings[-10:]) if view.warnings else ""
     crash = gr.Textbox(value="\n".join(view.crash_lines), visible=bool(view.crash_lines))
     table = completion_rows(view.completions) if fresh else gr.skip()
-    mine = live_run is not None and Path(live_run).name == view.run
+    mine = live_run is not None and (live_label or Path(live_run).name) == view.run
     state = state_markdown(view)
     if mine and view.state == "new":
         state += " (its process is starting)"
@@ -355,7 +407,7 @@ def view_outputs(view: watch.WatchView, fresh: bool = True, live_run: Path | Non
         crash,
         table,
         gr.Button(interactive=view.state in ("running", "starting") or (mine and view.state == "new")),
-        gr.Button(interactive=live_run is None and view.state in ("stopped", "crashed")),
+        gr.Button(interactive=live_run is None and view.resumable),
     ]
 
 
@@ -363,7 +415,9 @@ def build_and_wire(session, chat_handlers, runs_dir: Path, recipe_dirs, chat: Ca
     """Build the tabs around the chat (``chat()`` builds its components) and wire the workbench's events; returns the
     chat's widgets (the caller wires them)."""
     wb = Workbench(session, runs_dir, recipe_dirs or [shipped_recipes_dir()])
-    widgets, chat_widgets = build_workbench(wb.recipe_choices(), wb.run_choices(), wb.checkpoint_choices(), chat)
+    widgets, chat_widgets = build_workbench(
+        wb.recipe_choices(), wb.run_choices(), wb.checkpoint_choices(), chat, base_model=str(wb.catalog.base_model)
+    )
     wire_workbench(widgets, wb, chat_widgets, chat_handlers)
     widgets.workbench = wb
     session.workbench = wb  # for tests and embedding
@@ -393,7 +447,7 @@ def wire_workbench(w: WorkbenchWidgets, wb: Workbench, chat_widgets, chat_handle
     w.chat_tab.select(
         chat_handlers.on_refresh, pickers, [*pickers, chat_widgets.settings.reward, chat_widgets.status], **PRIVATE
     )
-    w.chat_tab.select(wb.on_chat_tab, r.start, [r.summary, r.start], **PRIVATE)
+    w.chat_tab.select(wb.on_chat_tab, r.start, [r.summary, r.start, r.panes_note], **PRIVATE)
     for kind, button in (("dpo", r.dpo), ("reward_model", r.reward_model)):
         button.click(wb.retrain_handler(kind), r.start, [r.status, w.tabs, wt.run], **PRIVATE)
     x.refresh.click(wb.on_export_refresh, x.checkpoint, x.checkpoint, **PRIVATE)

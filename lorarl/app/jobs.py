@@ -7,9 +7,15 @@ never a shell): the same code path and run folder as the terminal. The process g
 folders (:mod:`lorarl.runstate`: ``train.pid``), so a run started from a terminal counts too; a process this runner
 started is also counted before it has written its ``train.pid`` (while it loads the model).
 
-The one-job rule: a launch or resume is refused, naming the live run, while any run under the runs folder has a
-live process. Stop sends SIGTERM (:func:`lorarl.runstate.request_stop`): the loop finishes its step, writes a
-checkpoint and exits 0; resume runs ``lorarl train RUNS/NAME/recipe.yaml --out RUNS/NAME --resume``.
+Each launch records ``RUNS/NAME/launch.json`` (:data:`lorarl.runstate.LAUNCH_FILE`): the recipe file, the overrides
+and the working folder, so a resume reads the recipe's relative paths (data, reward modules, tools) exactly as the
+launch did.
+
+The one-job rule: a launch or resume is refused, naming the live run, while any run under the runs folder (or a
+stage of a pipeline there, ``RUNS/NAME/STAGE``) has a live process. Stop sends SIGTERM
+(:func:`lorarl.runstate.request_stop`): the loop finishes its step, writes a checkpoint and exits 0. Resume
+(:func:`resume_source`) runs ``lorarl train RECIPE --out RUNS/NAME --resume [overrides]`` with the launch's recipe and
+overrides when they still give the run's saved ``recipe.yaml``, else ``RUNS/NAME/recipe.yaml`` itself.
 """
 
 from __future__ import annotations
@@ -21,13 +27,25 @@ import sys
 import threading
 from pathlib import Path
 
-from lorarl.app.paths import check_name, checked_recipe, checked_run
+from lorarl.app.paths import check_name, checked_recipe, checked_run, is_pipeline_dir, run_label
 from lorarl.config import load_recipe, parse_override
 from lorarl.errors import LorarlError
 from lorarl.runs import is_adapter
-from lorarl.runstate import live_pid, now_iso, read_state, request_stop
+from lorarl.runstate import (
+    LAUNCH_FILE,
+    LOG_FILE,
+    PID_FILE,
+    PRE_RUN_FILES,
+    STATE_FILE,
+    live_pid,
+    now_iso,
+    read_json,
+    read_state,
+    request_stop,
+    write_json_atomic,
+    write_state,
+)
 
-LOG_FILE = "train.log"
 # override keys that would run code chosen on the page (a tool, an environment, a reward function): refused
 CODE_KEYS = ("agent",)
 FINAL_ADAPTERS = ("policy", "reward")
@@ -41,7 +59,10 @@ def train_argv(recipe: Path, run_dir: Path, overrides: list[str], resume: bool =
 
 def check_overrides(recipe: Path, overrides: list[str]) -> None:
     """Refuse overrides that would run code named on the page: ``agent.*`` (tools, environments), and a
-    ``reward.functions`` list whose entries differ from the recipe's in anything but their weights."""
+    ``reward.functions`` list whose entries, as the loader reads them, differ from the recipe's in anything but
+    their weights (a judge's or remote reward's settings ride along unchanged)."""
+    import dataclasses
+
     base = None
     for text in overrides:
         if not isinstance(text, str):
@@ -50,15 +71,124 @@ def check_overrides(recipe: Path, overrides: list[str]) -> None:
         if path[0] in CODE_KEYS:
             raise LorarlError(f"override {text}: {path[0]} settings name code; change them in the recipe file")
         if path[:2] == ["reward", "functions"]:
+            refused = LorarlError(f"override {text}: only the weights of the recipe's reward functions may change")
             if base is None:
                 base = load_recipe(recipe, strict=False).reward.functions
             if len(path) > 2 or not isinstance(value, list) or len(value) != len(base):
-                raise LorarlError(f"override {text}: only the weights of the recipe's reward functions may change")
-            for spec, new in zip(base, value):
-                if not isinstance(new, dict) or new.get("name") != spec.name or set(new) - {"name", "weight", "kwargs"}:
-                    raise LorarlError(f"override {text}: only the weights of the recipe's reward functions may change")
-                if (new.get("kwargs") or {}) != spec.kwargs:
-                    raise LorarlError(f"override {text}: only the weights of the recipe's reward functions may change")
+                raise refused
+            try:
+                new = load_recipe(recipe, [text], strict=False).reward.functions
+            except LorarlError:
+                raise refused from None
+            if any(dataclasses.replace(n, weight=b.weight) != b for n, b in zip(new, base)):
+                raise refused
+
+
+def write_launch(run_dir: Path, recipe: Path, overrides: list[str]) -> None:
+    """``RUN/launch.json``: the recipe file (absolute), the overrides and the working folder of a launch."""
+    info = {"recipe": os.path.abspath(recipe), "overrides": list(overrides), "cwd": os.getcwd(), "launched": now_iso()}
+    write_json_atomic(run_dir / LAUNCH_FILE, info)
+
+
+def read_launch(run_dir: Path) -> dict | None:
+    """``RUN/launch.json`` when it is there and well-formed (``recipe`` a string, ``overrides`` strings), else None."""
+    try:
+        info = read_json(run_dir / LAUNCH_FILE)
+    except LorarlError:
+        return None
+    if not info or not isinstance(info.get("recipe"), str):
+        return None
+    overrides = info.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return None
+    return info
+
+
+def _same_recipe(recipe: Path, overrides: list[str], saved: Path) -> bool:
+    """``recipe`` with ``overrides`` resolves to what the run saved in ``saved`` (``RUN/recipe.yaml``, written by the
+    run loop as ``yaml.safe_dump(recipe_to_dict(recipe))``)."""
+    import yaml
+
+    from lorarl.config import recipe_to_dict, yaml_load
+
+    try:
+        now = yaml.safe_load(yaml.safe_dump(recipe_to_dict(load_recipe(recipe, overrides)), sort_keys=False))
+        return now == yaml_load(saved.read_text(encoding="utf-8"))
+    except Exception:  # unreadable or no longer valid: not the same
+        return False
+
+
+def resume_source(run: Path, recipe_dirs: list[Path], runs_dir: Path) -> tuple[Path, list[str], Path | None]:
+    """``(recipe, overrides, cwd)`` that resume run folder ``run``: the launch's recipe file and overrides
+    (``RUN/launch.json``, the recipe still inside the configured folders) when they give the run's saved
+    ``recipe.yaml`` -- relative data, reward and tool paths then resolve beside the original recipe as at launch --
+    else ``RUN/recipe.yaml`` with no overrides; ``cwd`` the launch's working folder (None: this one). Raises
+    LorarlError when there is neither (the process never started training)."""
+    saved, info = run / "recipe.yaml", read_launch(run)
+    cwd = Path(info["cwd"]) if info and isinstance(info.get("cwd"), str) and Path(info["cwd"]).is_dir() else None
+    if info:
+        try:
+            original = checked_recipe(info["recipe"], recipe_dirs, runs_dir)
+        except LorarlError:
+            original = None
+        if original is not None and (not saved.is_file() or _same_recipe(original, info["overrides"], saved)):
+            return original, list(info["overrides"]), cwd
+    if saved.is_file():
+        return saved, [], cwd
+    raise LorarlError(f"run {run.name} has no recipe.yaml (it never started training); launch it again")
+
+
+def resume_refusal(run: Path) -> str | None:
+    """Why run folder ``run`` cannot be resumed (the one-job rule aside), or None: it finished, it is a pipeline's
+    stage (the pipeline resumes it), its state file is unreadable, or it never got as far as a recipe (no
+    ``recipe.yaml`` and no ``launch.json``)."""
+    if is_pipeline_dir(run.parent):
+        return (
+            f"{run.parent.name}/{run.name} is a stage of pipeline {run.parent.name}; resume the pipeline: "
+            f"lorarl pipeline RECIPE --out {run.parent} --resume"
+        )
+    try:
+        finished = is_finished(run)
+    except LorarlError as e:
+        return str(e)
+    if finished:
+        return f"run {run.name} has finished (final adapters written); nothing to resume"
+    if not (run / "recipe.yaml").is_file() and read_launch(run) is None:
+        return f"run {run.name} has no recipe.yaml (it never started training); launch it again"
+    return None
+
+
+def is_unstarted(run_dir: Path) -> bool:
+    """A folder a launch may (re)use: missing, empty, or holding only what a launch writes before ``lorarl train``
+    starts (:data:`lorarl.runstate.PRE_RUN_FILES`: a launch stopped or failed before training), and maybe the state
+    ``stopped`` at step 0 that :meth:`JobRunner.stop` gives such a folder."""
+    if not run_dir.exists():
+        return True
+    if not run_dir.is_dir() or not all(p.name in (*PRE_RUN_FILES, STATE_FILE) for p in run_dir.iterdir()):
+        return False
+    if not (run_dir / STATE_FILE).exists():
+        return True
+    try:
+        state = read_json(run_dir / STATE_FILE) or {}
+    except LorarlError:
+        return False
+    return state.get("state") == "stopped" and state.get("step") == 0
+
+
+def run_dirs(runs_dir: Path):
+    """Every folder that may hold a run: ``RUNS/NAME`` and one level below (``RUNS/PIPELINE/STAGE``), hidden ones
+    left out."""
+    try:
+        top = sorted(p for p in Path(runs_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return
+    for run in top:
+        yield run
+        try:
+            subs = sorted(p for p in run.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            continue
+        yield from subs
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -81,26 +211,32 @@ class JobRunner:
 
     # ---- who is training -------------------------------------------------------------------------------------
     def live(self) -> Path | None:
-        """The run folder a live process is training (this runner's child or any ``train.pid``), else None."""
+        """The run folder a live process is training (this runner's child, or any ``train.pid`` of a run or a
+        pipeline stage under the runs folder), else None."""
         for run, proc in list(self._procs.items()):
             if proc.poll() is None:
                 return run
-        if not self.runs_dir.is_dir():
-            return None
-        for run in sorted(p for p in self.runs_dir.iterdir() if p.is_dir()):
-            if live_pid(run) is not None:
+        for run in run_dirs(self.runs_dir):
+            if (run / PID_FILE).exists() and live_pid(run) is not None:
                 return run
         return None
 
+    def label(self, run_dir: Path) -> str:
+        """``NAME`` or ``PIPELINE/STAGE`` (:func:`lorarl.app.paths.run_label`)."""
+        return run_label(run_dir, self.runs_dir)
+
     def _run(self, run_dir: str | os.PathLike) -> Path:
-        """``RUNS/NAME`` for a run name or path inside the runs folder (:func:`lorarl.app.paths.checked_run`)."""
-        return self.runs_dir / checked_run(run_dir, self.runs_dir).name
+        """``RUNS/NAME`` (or ``RUNS/PIPELINE/STAGE``) for a run name or path inside the runs folder
+        (:func:`lorarl.app.paths.checked_run`)."""
+        c = checked_run(run_dir, self.runs_dir)
+        return self.runs_dir / self.label(c)
 
     def _refuse_if_live(self) -> None:
         run = self.live()
         if run is not None:
             raise LorarlError(
-                f"run {run.name} is training now (one run at a time on this machine); stop it or wait for it to end"
+                f"run {self.label(run)} is training now (one run at a time on this machine); stop it or wait for it "
+                "to end"
             )
 
     def returncode(self, run_dir: str | os.PathLike) -> int | None:
@@ -121,40 +257,62 @@ class JobRunner:
         load_recipe(recipe, overrides)  # the loader's one line, before any process starts
         with self._lock:
             self._refuse_if_live()
-            if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            if not is_unstarted(run_dir):
                 raise LorarlError(f"run {run_name} already exists in {self.runs_dir}; pick another name or resume it")
-            return self._spawn(run_dir, train_argv(recipe, run_dir, overrides))
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / STATE_FILE).unlink(missing_ok=True)  # a launch stopped before training: started over
+            write_launch(run_dir, recipe, overrides)
+            return self._spawn(run_dir, train_argv(recipe, run_dir, overrides), fresh_log=True)
 
-    def stop(self, run_dir: str | os.PathLike) -> str:
+    def stop(self, run_dir: str | os.PathLike, wait_s: float = 10.0) -> str:
         """Ask the run to stop after its current step (it saves a checkpoint and exits 0); returns what was done.
-        A process this runner started that has not begun training yet (no ``train.pid``) is terminated."""
+        A process this runner started that has not begun training yet (no ``train.pid``) is terminated; once it
+        has exited (waited up to ``wait_s``) a folder without a state file gets state ``stopped`` at step 0, so
+        Resume starts it (from its launch's recipe) and Launch may reuse the name."""
         run = self._run(run_dir)
+        name = self.label(run)
         if request_stop(run):
-            return f"asked run {run.name} to stop: it finishes its step, saves a checkpoint and exits"
+            return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
         proc = self._procs.get(run)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            return f"run {run.name} had not started training yet; its process was terminated (nothing to save)"
-        raise LorarlError(f"run {run.name} is not training; nothing to stop")
+        if proc is None or proc.poll() is not None:
+            raise LorarlError(f"run {name} is not training; nothing to stop")
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return f"run {name} had not started training yet; its process was sent SIGTERM and has not exited yet"
+        if not (run / STATE_FILE).exists() and (run / LAUNCH_FILE).exists():
+            write_state(run, "stopped", 0, self._planned_steps(run))
+        return f"run {name} had not started training yet; its process was terminated (nothing to save)"
+
+    def _planned_steps(self, run: Path) -> int:
+        """``train.steps`` of the run's launch (0 when it cannot be read)."""
+        try:
+            recipe, overrides, _ = resume_source(run, self.recipe_dirs, self.runs_dir)
+            return int(load_recipe(recipe, overrides, strict=False).train.steps)
+        except (LorarlError, TypeError, ValueError):
+            return 0
 
     def resume(self, run_dir: str | os.PathLike) -> Path:
-        """``lorarl train RUN/recipe.yaml --out RUN --resume``: continue from the newest complete checkpoint.
-        Refused while any run is live, and for a finished run."""
+        """``lorarl train RECIPE --out RUN --resume [overrides]`` (:func:`resume_source`): continue from the newest
+        complete checkpoint. Refused while any run is live, and when :func:`resume_refusal` says why not."""
         run = self._run(run_dir)
-        recipe = run / "recipe.yaml"
-        if not recipe.is_file():
-            raise LorarlError(f"run {run.name} has no recipe.yaml (it never started training); launch it again")
         with self._lock:
             self._refuse_if_live()
-            if is_finished(run):
-                raise LorarlError(f"run {run.name} has finished (final adapters written); nothing to resume")
-            return self._spawn(run, train_argv(recipe, run, [], resume=True))
+            why = resume_refusal(run)
+            if why:
+                raise LorarlError(why)
+            recipe, overrides, cwd = resume_source(run, self.recipe_dirs, self.runs_dir)
+            return self._spawn(run, train_argv(recipe, run, overrides, resume=True), cwd=cwd)
 
-    def _spawn(self, run_dir: Path, argv: list[str]) -> Path:
+    def _spawn(self, run_dir: Path, argv: list[str], cwd: Path | None = None, fresh_log: bool = False) -> Path:
+        """Start ``argv`` in its own session with its output in ``RUN/train.log`` (started over for a fresh launch,
+        appended to on resume)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        with open(run_dir / LOG_FILE, "ab") as log:
-            log.write(f"[{now_iso()}] $ {shlex.join(argv)}\n".encode())
+        with open(run_dir / LOG_FILE, "wb" if fresh_log else "ab") as log:
+            where = f" (in {cwd})" if cwd is not None and Path(cwd) != Path.cwd() else ""
+            log.write(f"[{now_iso()}] $ {shlex.join(argv)}{where}\n".encode())
             log.flush()
             proc = subprocess.Popen(
                 argv,
@@ -162,6 +320,7 @@ class JobRunner:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                cwd=cwd,
                 start_new_session=True,
                 close_fds=True,
             )

@@ -63,6 +63,7 @@ class WatchTab:
 
 @dataclass
 class RetrainRow:
+    panes_note: Any  # which runs the panes offer (the chat's base) and which were left out
     summary: Any
     start: Any
     dpo: Any
@@ -94,10 +95,25 @@ class WorkbenchWidgets:
     export: ExportTab
 
 
-def _train_tab(recipes: list[tuple[str, str]]) -> TrainTab:
+def base_note(base_model: str) -> str:
+    """The line saying which runs the chat panes can show: those trained on the chat's base."""
+    return (
+        f"Only runs trained on the chat's base model (`{base_model}`) show in the chat panes; a run on another "
+        "model trains and shows in Watch, but chatting with it needs `lorarl chat` started on that model."
+    )
+
+
+RM_NOTE = (
+    "**DPO on votes** starts the policy from the checkpoint picked here. **Reward model on votes** trains a fresh "
+    "reward adapter (the reward model is its own role: nothing of the picked policy carries over) on the base that "
+    "checkpoint was trained on."
+)
+
+
+def _train_tab(recipes: list[tuple[str, str]], base_model: str) -> TrainTab:
     gr.Markdown(
         "Pick a recipe (shipped `recipes/` or a run's own), change the common fields and launch: the run is "
-        "`lorarl train RECIPE --out RUNS/NAME` in a subprocess, one at a time."
+        "`lorarl train RECIPE --out RUNS/NAME` in a subprocess, one at a time. " + base_note(base_model)
     )
     with gr.Row():
         recipe = gr.Dropdown(recipes, value=None, label="Recipe", elem_id="wb-recipe", scale=4)
@@ -154,16 +170,18 @@ def _watch_tab(runs: list[tuple[str, str]]) -> WatchTab:
     return WatchTab(run, refresh, timer, state, progress, stop, resume, plots, warnings, crash, completions, status)
 
 
-def retrain_row(checkpoints: list[tuple[str, str]]) -> RetrainRow:
+def retrain_row(checkpoints: list[tuple[str, str]], base_model: str) -> RetrainRow:
     """Under the chat: the votes saved so far become a training run (DPO or a reward model), from a checkpoint."""
+    panes_note = gr.Markdown(base_note(base_model), elem_id="wb-panes-note")
     with gr.Accordion("Retrain from the votes", open=True):
+        gr.Markdown(RM_NOTE, elem_id="wb-retrain-note")
         summary = gr.Markdown("", elem_id="wb-votes")
         with gr.Row():
             start = gr.Dropdown(checkpoints, value="base", label="Starting checkpoint", elem_id="wb-start", scale=3)
             dpo = gr.Button("DPO on votes", elem_id="wb-dpo", scale=1)
             reward_model = gr.Button("Reward model on votes", elem_id="wb-rm", scale=1)
         status = gr.Markdown("", elem_id="wb-retrain-status")
-    return RetrainRow(summary, start, dpo, reward_model, status)
+    return RetrainRow(panes_note, summary, start, dpo, reward_model, status)
 
 
 def _export_tab(checkpoints: list[tuple[str, str]]) -> ExportTab:
@@ -191,18 +209,20 @@ def build_workbench(
     runs: list[tuple[str, str]],
     checkpoints: list[tuple[str, str]],
     chat: Callable[[], Any],
+    base_model: str = "the chat's base",
 ) -> tuple[WorkbenchWidgets, Any]:
     """The four tabs in the current ``gr.Blocks``; ``chat()`` builds the chat's own components inside the Chat tab
     (returns them). ``runs``: (label, name) of the runs; ``checkpoints``: (label, id) of the base and the runs'
-    adapters. Returns ``(widgets, chat's)``."""
+    adapters; ``base_model``: the chat's base (named where the page says which runs the panes show). Returns
+    ``(widgets, chat's)``."""
     with gr.Tabs(selected="train", elem_id="wb-tabs") as tabs:
         with gr.Tab("Train", id="train", elem_id="tab-train"):
-            train = _train_tab(recipes)
+            train = _train_tab(recipes, base_model)
         with gr.Tab("Watch", id="watch", elem_id="tab-watch") as watch_tab:
             watch = _watch_tab(runs)
         with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
             chat_widgets = chat()
-            retrain = retrain_row(checkpoints)
+            retrain = retrain_row(checkpoints, base_model)
         with gr.Tab("Export", id="export", elem_id="tab-export") as export_tab:
             export = _export_tab([c for c in checkpoints if c[1] != "base"])
     widgets = WorkbenchWidgets(tabs, watch_tab, chat_tab, export_tab, train, watch, retrain, export)

@@ -1,5 +1,6 @@
 """The workbench's only way from a name the browser sends to a file: recipes from the configured recipe folders
-(and ``RUNS/NAME/recipe.yaml``), runs from the runs folder, exports into ``RUNS/exports/``.
+(and ``RUNS/NAME/recipe.yaml``), runs from the runs folder (``RUNS/NAME``, or ``RUNS/PIPELINE/STAGE`` for a
+``lorarl pipeline`` output folder's stages), exports into ``RUNS/exports/``.
 
 A path is refused (:class:`lorarl.errors.LorarlError`, one line naming it) when it has a ``..`` part, when it is
 absolute and not under one of the folders, or when it resolves (symlinks followed) outside them. A run or export
@@ -17,6 +18,7 @@ from lorarl.errors import LorarlError
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
 RECIPE_SUFFIXES = (".yaml", ".yml")
 EXPORTS = "exports"  # RUNS/exports/NAME: where the page's exports go
+PIPELINE_FILE = "pipeline.yaml"  # written by `lorarl pipeline` into its output folder (lorarl.pipeline.run)
 
 
 def shipped_recipes_dir() -> Path:
@@ -89,19 +91,51 @@ def checked_recipe(path: str | os.PathLike, recipe_dirs: list[Path], runs_dir: P
     raise LorarlError(f"recipe {path}: no such file in {', '.join(str(f) for f in folders)}")
 
 
+def _same(a: Path, b: Path) -> bool:
+    """The same folder, lexically or after resolving symlinks."""
+    return _abs(a) == _abs(b) or a.resolve() == b.resolve()
+
+
+def is_pipeline_dir(path: Path) -> bool:
+    """A ``lorarl pipeline`` output folder: it holds ``pipeline.yaml``; its stages are ``NN-name/`` run folders."""
+    return (Path(path) / PIPELINE_FILE).is_file()
+
+
 def checked_run(run: str | os.PathLike, runs_dir: Path, *, must_exist: bool = True) -> Path:
-    """The run folder ``run`` names (a folder name, or a path to a folder directly inside ``runs_dir``), checked to
-    stay inside ``runs_dir`` after symlinks."""
+    """The run folder ``run`` names: ``NAME`` (a folder name, or a path to a folder directly inside ``runs_dir``)
+    or ``PIPELINE/STAGE`` (a stage folder of a pipeline's output folder in ``runs_dir``, :func:`is_pipeline_dir`),
+    checked to stay inside ``runs_dir`` after symlinks."""
     runs_dir = Path(runs_dir)
     c = _candidates(run, [runs_dir], "run")[0]
-    if _abs(c.parent) != _abs(runs_dir) and c.parent.resolve() != runs_dir.resolve():
-        raise LorarlError(f"run {run}: must be a folder directly inside {runs_dir}")
+    if not _same(c.parent, runs_dir):
+        if not (_same(c.parent.parent, runs_dir) and is_pipeline_dir(c.parent)):
+            raise LorarlError(
+                f"run {run}: must be a folder directly inside {runs_dir} (or a stage of a pipeline there)"
+            )
+        check_name(c.parent.name)
     check_name(c.name)
     if c.exists() and not is_inside(c, runs_dir):
         raise LorarlError(f"run {run}: resolves outside {runs_dir} (a symlink?); refused")
     if must_exist and not c.is_dir():
         raise LorarlError(f"run {run}: no such run folder in {runs_dir}")
     return c
+
+
+def run_label(run_dir: Path, runs_dir: Path) -> str:
+    """How the page names a run folder: ``NAME``, or ``PIPELINE/STAGE`` for a pipeline's stage."""
+    run_dir, runs_dir = Path(run_dir), Path(runs_dir)
+    return run_dir.name if _same(run_dir.parent, runs_dir) else f"{run_dir.parent.name}/{run_dir.name}"
+
+
+def recipe_folders(user_dirs: list[str | os.PathLike] | None) -> list[Path]:
+    """The Train tab's recipe folders: the shipped ``recipes/`` always (the retrain buttons use its ``dpo.yaml`` and
+    ``reward_model.yaml``), then the user's ``--recipes`` folders; a folder named twice is kept once."""
+    out: list[Path] = []
+    for d in [shipped_recipes_dir(), *(Path(u).expanduser() for u in user_dirs or [])]:
+        d = d.resolve()
+        if d not in out:
+            out.append(d)
+    return out
 
 
 def export_folder(name: str, runs_dir: Path) -> Path:

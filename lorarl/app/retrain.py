@@ -1,6 +1,9 @@
 """Vote -> retrain: the chat's votes file (``RUNS/preferences.jsonl``, :mod:`lorarl.chat.votes`) becomes the data of
 a DPO run (``recipes/dpo.yaml``, the policy starting from the chosen checkpoint) or of a reward-model run
-(``recipes/reward_model.yaml``), launched by the job runner like any other run.
+(``recipes/reward_model.yaml``), launched by the job runner like any other run. The reward adapter is its own role:
+a reward-model run starts a fresh reward adapter and score head on the base the chosen checkpoint was trained on
+(the checkpoints offered are policies, which are no reward adapter to continue from); only DPO starts from the
+checkpoint's policy.
 
 The shipped recipe is used as it is, with overrides only: ``data.source`` = the votes file; ``data.eval_source:
 null`` (the votes have no held-out split, so no held-out pairs are scored; DPO's task evaluation, when its recipe has
@@ -148,7 +151,7 @@ def retrain_overrides(
 ) -> tuple[Path, list[str]]:
     """``(recipe, overrides)`` of a DPO or reward-model run on the votes (see the module docstring).
     ``start_checkpoint``: a chat catalog id (``base``, ``RUN/policy``, ``RUN/step-NNNNNN``); DPO starts its policy
-    from it, a reward model trains on the same base. ``base_model``: the chat's base, used when the checkpoint is
+    from it, a reward model trains a fresh reward adapter on the same base (nothing of the policy carries over). ``base_model``: the chat's base, used when the checkpoint is
     ``base``. Refused (one line): an unknown kind, no usable pair, a checkpoint outside the runs folder."""
     if kind not in KINDS:
         raise LorarlError(f"retrain kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -191,9 +194,11 @@ def launch_retrain(
     base_model: str | None = None,
     run_name: str | None = None,
     extra_overrides: list[str] | tuple[str, ...] = (),
+    launch=None,
 ) -> Path:
     """Launch the retrain on ``RUNS/preferences.jsonl`` with ``runner`` (:class:`lorarl.app.jobs.JobRunner`, its
-    recipe folders); the run is named ``KIND-votes-YYYYMMDD-HHMMSS`` unless ``run_name`` is given."""
+    recipe folders); the run is named ``KIND-votes-YYYYMMDD-HHMMSS`` unless ``run_name`` is given. ``launch(recipe,
+    name, overrides)`` starts it (default ``runner.launch``; the workbench passes its memory-guarded launch)."""
     recipe, overrides = retrain_overrides(
         kind,
         Path(runner.runs_dir) / PREFERENCES_FILE,
@@ -203,4 +208,4 @@ def launch_retrain(
         base_model=base_model,
     )
     name = run_name or f"{kind.replace('_', '-')}-votes-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    return runner.launch(recipe, name, overrides + list(extra_overrides))
+    return (launch or runner.launch)(recipe, name, overrides + list(extra_overrides))

@@ -5,21 +5,27 @@ a half-written last line is left for the next poll. A file that shrank or was re
 ``metrics.jsonl`` and ``completions.jsonl`` to its checkpoint's step) is read again from the start; a row for a step
 seen before replaces it. Curves use the metric keys the loop logs (:data:`SERIES`: the first key a run logs wins,
 so GRPO's ``reward``, PPO's ``objective/kl`` and DPO's ``rewards/margins`` all land on a curve). Runs started from a
-terminal are read the same way: everything comes from the folder (:mod:`lorarl.runstate` for the state).
+terminal are read the same way: everything comes from the folder (:mod:`lorarl.runstate` for the state), the health
+warnings from the metrics rows (``health/warning``) as well as from ``train.log``. :func:`list_runs` lists the run
+folders and the stages of a ``lorarl pipeline`` output folder (``PIPELINE/STAGE``); a folder whose state file cannot be
+read is listed as ``unreadable`` with the reason.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorarl.app.jobs import FINAL_ADAPTERS, LOG_FILE
-from lorarl.app.paths import EXPORTS
+from lorarl.app.jobs import FINAL_ADAPTERS, LOG_FILE, resume_refusal
+from lorarl.app.paths import EXPORTS, is_pipeline_dir
+from lorarl.app.timeleft import eta_seconds, evaluation_per_step
+from lorarl.errors import LorarlError
 from lorarl.runs import is_adapter
 from lorarl.runstate import COMPLETIONS_FILE, live_pid, read_state
 
@@ -35,7 +41,11 @@ SERIES: dict[str, tuple[str, ...]] = {
 }
 RECENT = 20  # completions and log lines kept for the page
 HEALTH_MARK = "health:"
+HEALTH_KEY = "health/warning"  # a metrics row's new warnings, " | "-joined (lorarl.health.HealthMonitor.check)
 ERROR_MARK = "lorarl: error:"
+UNREADABLE = "unreadable"  # the state of a folder whose state file cannot be read
+RESUMABLE = ("new", "stopped", "crashed", "failed")  # states Resume may continue (resume_refusal has the last word)
+_STEP = re.compile(r"^step (\d+): ")
 
 
 class _Tail:
@@ -109,13 +119,6 @@ def series_key(rows: list[dict], keys: tuple[str, ...]) -> str | None:
     return None
 
 
-def eta_seconds(step_times: list[float], step: int, last_step: int | None) -> float | None:
-    """Time left: ``median(step time) x (last_step - step)``; None without a step time or a last step."""
-    if not step_times or last_step is None:
-        return None
-    return statistics.median(step_times) * max(0, last_step - step)
-
-
 def format_seconds(s: float | None) -> str:
     if s is None:
         return "?"
@@ -146,11 +149,15 @@ class WatchView:
 
     series:      curve label -> ``[(step, value)]`` (labels of :data:`SERIES` the run logs); ``series_keys`` the
                  metric key behind each.
-    warnings:    the run's ``health:`` lines from train.log, in order.
+    warnings:    the run's health warnings as ``step N: health: ...`` lines, by step: the metrics rows'
+                 ``health/warning`` and train.log's ``health:`` lines (a run from a terminal has no train.log).
     completions: the last 20 rows of completions.jsonl (``step``, ``prompt``, ``completion``, ``reward``, ...).
     state:       ``new`` | ``starting`` (a process is loading, no state yet) | ``running`` | ``stopped`` |
-                 ``finished`` | ``crashed`` | ``failed`` (the command stopped before training: its error line);
-                 ``error`` the state's error line.
+                 ``finished`` | ``crashed`` | ``failed`` (the command stopped before training: its error line) |
+                 ``unreadable`` (state.json cannot be read); ``error`` the state's error line.
+    resumable:   Resume may continue it once no process trains (a stopped, crashed, failed or unstarted run with a
+                 recipe or launch record; not a finished run, nor a pipeline's stage: :func:`lorarl.app.jobs.
+                 resume_refusal`). No process trains it now either.
     log_tail:    the last 20 lines of train.log; ``crash_lines`` the same when crashed or failed, else [].
     """
 
@@ -166,6 +173,28 @@ class WatchView:
     crash_lines: list[str] = field(default_factory=list)
     latest: dict = field(default_factory=dict)  # the newest metrics row
     new_rows: int = 0  # metrics rows read by this poll
+    resumable: bool = False
+
+
+def health_warnings(rows: list[dict], log_warnings: list[str]) -> list[str]:
+    """The run's warnings, each once, by step: ``step N: health: W`` for each ``W`` of a row's ``health/warning``
+    (``" | "``-joined), and train.log's ``health:`` lines (the same text when the run's output went there; lines
+    without a ``step N:`` prefix stay where they came)."""
+    from_rows = [
+        f"step {r['step']}: health: {w.strip()}"
+        for r in rows
+        if isinstance(r.get(HEALTH_KEY), str)
+        for w in r[HEALTH_KEY].split(" | ")
+        if w.strip()
+    ]
+    merged = list(log_warnings) + from_rows
+    last = 0
+    keyed = []
+    for text in merged:
+        m = _STEP.match(text)
+        last = int(m.group(1)) if m else last
+        keyed.append((last, text))
+    return list(dict.fromkeys(t for _, t in sorted(keyed, key=lambda k: k[0])))
 
 
 def _recipe_steps(run_dir: Path) -> int | None:
@@ -182,8 +211,11 @@ def _recipe_steps(run_dir: Path) -> int | None:
 def run_state(run_dir: Path, log_lines: list[str] | None = None) -> tuple[str, str | None, dict]:
     """``(state, error, state.json)``: :func:`lorarl.runstate.read_state`, with ``new`` refined: ``starting`` (a live
     process, no state yet), ``failed`` (train.log ends with the CLI's error line), ``finished`` (final adapters of a
-    run from before state.json)."""
-    st = read_state(run_dir)
+    run from before state.json); ``unreadable`` with the reason when state.json cannot be read."""
+    try:
+        st = read_state(run_dir)
+    except LorarlError as e:
+        return UNREADABLE, str(e), {}
     state, error = st.get("state", "new"), st.get("error")
     if state != "new":
         return state, error, st
@@ -200,8 +232,9 @@ def run_state(run_dir: Path, log_lines: list[str] | None = None) -> tuple[str, s
 class RunWatch:
     """Follows one run folder; :meth:`poll` reads what was appended since the last call."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, name: str | None = None):
         self.run_dir = Path(run_dir)
+        self.name = name or self.run_dir.name  # how the page names it (``PIPELINE/STAGE`` for a stage)
         self._metrics = _Tail(self.run_dir / METRICS_FILE)
         self._completions = _Tail(self.run_dir / COMPLETIONS_FILE)
         self._log = _Tail(self.run_dir / LOG_FILE)
@@ -247,25 +280,31 @@ class RunWatch:
         step = st.get("step") if isinstance(st.get("step"), int) else (rows[-1]["step"] if rows else 0)
         last_step = st.get("last_step") if isinstance(st.get("last_step"), int) else _recipe_steps(self.run_dir)
         times = [t for t in (_number(r.get("step_time")) for r in rows) if t is not None]
+        resumable = state in RESUMABLE and live_pid(self.run_dir) is None and resume_refusal(self.run_dir) is None
         progress = Progress(
             step=step,
             last_step=last_step,
             step_time_s=statistics.median(times) if times else None,
-            eta_s=eta_seconds(times, step, last_step) if state in ("running", "starting") else None,
+            eta_s=(  # evaluation included (lorarl.app.timeleft)
+                eta_seconds(times, step, last_step, evaluation_per_step(rows, step))
+                if state in ("running", "starting")
+                else None
+            ),
         )
         return WatchView(
-            run=self.run_dir.name,
+            run=self.name,
             state=state,
             error=error,
             progress=progress,
             series=series,
             series_keys=keys,
-            warnings=list(self.warnings),
+            warnings=health_warnings(rows, self.warnings),
             completions=list(self.completions),
             log_tail=tail[-RECENT:],
             crash_lines=tail[-RECENT:] if state in ("crashed", "failed") else [],
             latest=rows[-1] if rows else {},
             new_rows=new_rows,
+            resumable=resumable,
         )
 
 
@@ -312,6 +351,17 @@ def _last_metrics_step(path: Path) -> int | None:
     return rows[-1]["step"] if rows else None
 
 
+def _mtime(paths: list[Path]) -> float:
+    """The newest modification time of ``paths``; a file removed meanwhile (train.pid as a run ends) is skipped."""
+    times = []
+    for p in paths:
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times, default=0.0)
+
+
 def _algo(run: Path) -> str | None:
     from lorarl.config import yaml_load
 
@@ -322,22 +372,42 @@ def _algo(run: Path) -> str | None:
     return str(data.get("algo", "grpo")) if isinstance(data, dict) else None
 
 
-def list_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
-    """Every run folder directly under ``runs_dir`` (launched here or from a terminal), newest change first; the
-    exports folder and folders without any run file are left out."""
-    root = Path(runs_dir)
-    out = []
-    for run in root.iterdir() if root.is_dir() else []:
-        if not run.is_dir() or run.name == EXPORTS or run.name.startswith("."):
-            continue
-        present = [run / m for m in RUN_MARKERS if (run / m).exists()]
-        if not present:
-            continue
+def summarize(run: Path, name: str) -> RunSummary | None:
+    """One run folder as a :class:`RunSummary` (None: no run file in it). Never raises for a broken folder: what
+    cannot be read is left out, an unreadable state file reads as ``unreadable``."""
+    present = [run / m for m in RUN_MARKERS if (run / m).exists()]
+    if not present:
+        return None
+    try:
         state, _, st = run_state(run, tail_lines(run / LOG_FILE, 5))
         step = st.get("step") if isinstance(st.get("step"), int) else _last_metrics_step(run / METRICS_FILE)
         last = st.get("last_step") if isinstance(st.get("last_step"), int) else _recipe_steps(run)
-        mtime = max(p.stat().st_mtime for p in present)
-        out.append(RunSummary(run.name, run, state, step, last, _algo(run), mtime))
+    except OSError:  # the folder changed under us (a run ending, a folder removed)
+        state, step, last = UNREADABLE, None, None
+    return RunSummary(name, run, state, step, last, _algo(run), _mtime(present))
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return []
+
+
+def list_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
+    """Every run folder directly under ``runs_dir`` (launched here or from a terminal) and every stage of a pipeline
+    output folder there (named ``PIPELINE/STAGE``), newest change first; the exports folder and folders without any
+    run file are left out. One broken folder never hides the others."""
+    out = []
+    for run in _subdirs(Path(runs_dir)):
+        if run.name == EXPORTS:
+            continue
+        if is_pipeline_dir(run):
+            out += [s for stage in _subdirs(run) if (s := summarize(stage, f"{run.name}/{stage.name}"))]
+            continue
+        summary = summarize(run, run.name)
+        if summary is not None:
+            out.append(summary)
     return sorted(out, key=lambda r: r.mtime, reverse=True)
 
 

@@ -11,7 +11,31 @@ from lorarl.chat.engine import ChatEngine
 from lorarl.chat.session import ChatSession
 from lorarl.chat.votes import PREFERENCES_FILE, ties_path
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+def is_loopback(host: str) -> bool:
+    """``host`` is this machine only: ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def check_host(host: str, workbench: bool, share: bool = False) -> None:
+    """The workbench starts processes and writes files from the page and has no authentication: it serves on a
+    loopback address only, never shared. Raises LorarlError (one line) otherwise; the chat alone may go elsewhere
+    (with a warning at launch)."""
+    from lorarl.errors import LorarlError
+
+    if workbench and (share or not is_loopback(host)):
+        where = "a public share link" if share else f"--host {host}"
+        raise LorarlError(
+            f"{where}: the workbench launches training processes and has no authentication, so it serves on "
+            "127.0.0.1 / localhost / ::1 only; pass --chat-only to serve the chat alone elsewhere"
+        )
 
 
 def make_session(
@@ -47,8 +71,8 @@ def build_app(
     """The Gradio app (``gr.Blocks``). ``shared``: an already loaded :class:`~lorarl.model.SharedBase` to use;
     else ``model`` (a model name or folder; default: the model the runs were trained on, else the embedded default)
     is loaded once. Votes go to ``preferences`` (default ``RUNS/preferences.jsonl``; ties beside it).
-    ``workbench``: the tabs Train, Watch, Chat, Export (:mod:`lorarl.app`) with recipes from ``recipe_dirs``
-    (default: the shipped ``recipes/``); else the chat alone."""
+    ``workbench``: the tabs Train, Watch, Chat, Export (:mod:`lorarl.app`) with recipes from the shipped
+    ``recipes/`` and ``recipe_dirs`` (:func:`lorarl.app.paths.recipe_folders`); else the chat alone."""
     import gradio as gr
 
     from lorarl.chat.api import register_api
@@ -65,8 +89,9 @@ def build_app(
 
         if workbench:
             from lorarl.app.handlers import build_and_wire
+            from lorarl.app.paths import recipe_folders
 
-            widgets = build_and_wire(session, handlers, Path(runs_dir), recipe_dirs, chat)
+            widgets = build_and_wire(session, handlers, Path(runs_dir), recipe_folders(recipe_dirs), chat)
         else:
             widgets = chat()
         wire(widgets, handlers)
@@ -88,7 +113,9 @@ def launch(
     recipe_dirs: list[str | os.PathLike] | None = None,
 ):
     """Build and serve the app (127.0.0.1 by default: it has no authentication). Returns the app. ``workbench``:
-    the Train / Watch / Chat / Export tabs (see :func:`build_app`)."""
+    the Train / Watch / Chat / Export tabs (see :func:`build_app`), served on a loopback address only
+    (:func:`check_host`, checked before anything loads)."""
+    check_host(host, workbench, share)
     import gradio as gr
 
     from lorarl.chat.layout import CSS
@@ -99,7 +126,7 @@ def launch(
 
         css += WORKBENCH_CSS
 
-    if host not in LOCAL_HOSTS and not quiet:
+    if not is_loopback(host) and not quiet:
         print(f"lorarl chat: warning: serving on {host} without authentication; anyone who can reach it can use it")
     demo = build_app(runs_dir, model=model, shared=shared, workbench=workbench, recipe_dirs=recipe_dirs)
     demo.queue(default_concurrency_limit=4)
