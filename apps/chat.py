@@ -10,28 +10,15 @@ The Train / Watch / Export tabs around the chat are the workbench (docs/workbenc
 
 from __future__ import annotations
 
-import argparse
+import sys
 
-from lorarl.chat import launch
+from lorarl.cli import main as lorarl_main
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", default="runs", help="directory of runs and exports to offer (default: runs)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--model", default=None, help="base model (default: the runs' base, else the embedded default)")
-    p.add_argument("--chat-only", action="store_true", help="only the chat, without the Train / Watch / Export tabs")
-    args = p.parse_args(argv)
-    launch(
-        runs_dir=args.runs,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        share=False,
-        workbench=not args.chat_only,
-    )
+def main(argv: list[str] | None = None) -> int:
+    """``lorarl chat`` with these arguments (the same options, errors and exit codes)."""
+    return lorarl_main(["chat", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
