@@ -152,6 +152,7 @@ def _checkpoints(h: HandOff, m: Mapping) -> None:
         m.key("--ckpt.best_metric_key", "none", "train.keep_best", "off, as in lorarl (OpenRLHF's default: on)")
         m.skip("train.keep_best_mode", t.keep_best_mode, "unused: train.keep_best is off")
     m.key("--logger.logging_steps", t.log_every, "train.log_every", "TensorBoard / wandb rows")
+    m.skip("train.log_completions", t.log_completions, "OpenRLHF does not log sampled completions to a file")
     if "tensorboard" in t.report_to:
         m.key("--logger.tensorboard_dir", out("tensorboard"), "train.report_to")
     m.skip("train.report_to", t.report_to, "console always; wandb needs --logger.wandb.key (yours)")

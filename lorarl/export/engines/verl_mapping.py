@@ -158,6 +158,7 @@ def _trainer(h: HandOff, m: Mapping) -> None:
     m.key("trainer.n_gpus_per_node", Derived("${GPUS}", "--gpus"))
     m.key("trainer.nnodes", Derived("${NODES}", "--nodes"))
     m.skip("train.log_every", t.log_every, "verl logs every step")
+    m.skip("train.log_completions", t.log_completions, "verl dumps every rollout with trainer.rollout_data_dir=DIR")
 
 
 def _grpo(h: HandOff, m: Mapping) -> None:
