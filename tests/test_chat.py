@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -334,7 +336,9 @@ def test_handlers_that_need_the_request_get_it():
 # ---- entry points -------------------------------------------------------------------------------------------------
 
 
-def test_entry_points_use_the_public_api():
+def test_apps_chat_is_lorarl_chat(tmp_path):
+    """``python apps/chat.py`` is ``lorarl chat``: the CLI's own entry point (no copy of its options), so the same
+    defaults, refusals and exit codes."""
     from lorarl.cli import build_parser
 
     args = build_parser().parse_args(["chat"])
@@ -342,5 +346,11 @@ def test_entry_points_use_the_public_api():
     tree = ast.parse((REPO / "apps" / "chat.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m and m.startswith("lorarl")} == {"lorarl.chat"}
-    assert "127.0.0.1" in (REPO / "apps" / "chat.py").read_text()
+    assert {m for m in imported if m and m.startswith("lorarl")} == {"lorarl.cli"}
+    r = subprocess.run(
+        [sys.executable, str(REPO / "apps" / "chat.py"), "--host", "0.0.0.0", "--runs", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--host 0.0.0.0" in lines[0] and "127.0.0.1" in lines[0]
