@@ -38,3 +38,9 @@ def test_three_turn_step_against_single_turn_step_of_the_same_tokens(tiny_model_
         assert all(x > 0 for x in side["prefill_s_per_call"])
     assert res["ratio_step"] == round(mu["s_per_step"] / si["s_per_step"], 3)
     assert any(line.startswith("| step |") for line in lines)
+    # keys / values kept between turns (the default): each prompt prefilled once for its group, then per row and
+    # turn only the tool message and the 2 ids not fed back (the last sampled one, the forced end-of-turn id)
+    assert res["settings"]["reuse_kv"] is True
+    prompt_ids = mu["sequence_lengths"][0] - (3 * L + 2 * n)
+    assert mu["prefill_tokens"] == prompts * prompt_ids + rows * 2 * (n + 2)
+    assert mu["kv_reused_tokens"] == rows * ((prompt_ids + L - 2) + (prompt_ids + L + n + L - 2))

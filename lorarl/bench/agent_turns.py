@@ -27,13 +27,15 @@ tools measures whatever lengths it happened to sample and cannot match them with
   group, so every row is trained (lorarl skips rows whose advantage is exactly 0) on both sides.
 
 So the difference between the two steps is what multi-turn costs: three engine calls instead of one, the tool call
-and rendering between them, and **re-prefill**: the engines keep no KV cache between calls, so turn ``k + 1``
-prefills the whole ``prompt + trajectory`` of each row again (only turn 1 shares each prompt's prefill over its
-group). Reported per side (means over the timed steps, after one warm-up pair): seconds per step and per phase
-(``generation``, ``scoring``, ``rewards``, ``training``, ...), the engine's seconds per call (turn), the generation
-time outside the engine (tools, parsing, rendering), and, measured after the steps on the last step's own contexts,
-the seconds of the prefill forward each engine call had to do (:func:`prefill_seconds`); ratios are multi / single.
-The last stdout line is the result as JSON.
+and rendering between them, and the prefill of each turn. With ``agent.reuse_kv`` (the default) the engine keeps
+every row's keys / values between turns and turn ``k + 1`` prefills only the ids appended since (the tool message
+and the ids not fed back yet); with ``--no-reuse-kv`` it prefills the whole ``prompt + trajectory`` of each row again
+(only turn 1 shares each prompt's prefill over its group). Reported per side (means over the timed steps, after one
+warm-up pair): seconds per step and per phase (``generation``, ``scoring``, ``rewards``, ``training``, ...), the
+engine's seconds per call (turn), the generation time outside the engine (tools, parsing, rendering), the context
+tokens the engine prefilled and those it reused, and, measured after the steps on the last step's own contexts, the
+seconds a full-context prefill of each engine call takes (:func:`prefill_seconds`: what ``--no-reuse-kv`` pays per
+turn); ratios are multi / single. The last stdout line is the result as JSON.
 
     python -m lorarl.bench.agent_turns --steps 3           # = lorarl bench agent-turns --steps 3
 """
@@ -157,6 +159,10 @@ class FixedTurnEngine:
             lps = torch.cat([lps[:, : self.tokens - 1], torch.zeros(n, 1)], dim=1)
         return Sampled(torch.cat([ids, eos], dim=1), lps)
 
+    def reusing_kv(self):
+        """The inner engine's scope of keys / values kept between calls (:mod:`lorarl.rollout.prefix_kv`)."""
+        return self.inner.reusing_kv()
+
 
 def sync(device) -> None:
     import torch
@@ -166,9 +172,12 @@ def sync(device) -> None:
 
 
 # ---- the recipes and the two algorithms -------------------------------------------------------------------------
-def bench_recipe(model: str, multi: bool, prompts: int, group: int, turn_tokens: int, dtype: str) -> Any:
+def bench_recipe(
+    model: str, multi: bool, prompts: int, group: int, turn_tokens: int, dtype: str, reuse_kv: bool = True
+) -> Any:
     """The GRPO recipe of one side: the multiplication task's prompts, LoRA r 16, the :func:`text_spread` reward,
-    ``turn_tokens`` per turn (multi, 3 turns) or ``3 turn_tokens`` (single), one micro-batch."""
+    ``turn_tokens`` per turn (multi, 3 turns; keys / values kept between turns unless ``reuse_kv`` is off) or
+    ``3 turn_tokens`` (single), one micro-batch."""
     from lorarl.config import recipe_from_dict
 
     here = "lorarl.bench.agent_turns"
@@ -200,6 +209,7 @@ def bench_recipe(model: str, multi: bool, prompts: int, group: int, turn_tokens:
             "max_turns": TURNS,
             "max_tokens_per_turn": turn_tokens,
             "max_total_tokens": 4096,
+            "reuse_kv": reuse_kv,
         }
     return recipe_from_dict(d, where="<bench agent-turns>")
 
@@ -267,13 +277,15 @@ def timed_step(side: Side, step: int) -> dict:
         "sequence_lengths": (r.prompt_mask.sum(1) + r.completion_mask.sum(1)).tolist(),
         "rows": len(r),
         "loss": metrics.get("loss"),
+        "prefill_tokens": side.last.metrics.get("agent/prefill_tokens"),
+        "kv_reused_tokens": side.last.metrics.get("agent/kv_reused_tokens"),
     }
 
 
 def prefill_seconds(side: Side, repeats: int = 3) -> list[float]:
-    """For each engine call of ``side``'s last step: the best of ``repeats`` timings of the prefill forward it had
-    to do, on its own contexts with the policy adapter (the unique prompts for a call that shares them over its
-    group, as the hf engine prefills them; every row's full context otherwise)."""
+    """For each engine call of ``side``'s last step: the best of ``repeats`` timings of a prefill forward of its
+    whole contexts with the policy adapter (the unique prompts for a call that shares them over its group, as the
+    hf engine prefills them; every row's full context otherwise): what each call costs without kept keys / values."""
     import torch
 
     from lorarl.model.tokens import pad_left
@@ -315,6 +327,8 @@ def summary(steps: list[dict]) -> dict:
         "loss_tokens": last["loss_tokens"],
         "completion_positions": last["completion_positions"],
         "sequence_lengths": last["sequence_lengths"],
+        "prefill_tokens": last.get("prefill_tokens"),
+        "kv_reused_tokens": last.get("kv_reused_tokens"),
         "step_seconds": [round(s["seconds"], 3) for s in steps],
     }
 
@@ -331,6 +345,7 @@ def run(
     turn_tokens: int = 16,
     engine: str = "hf",
     out: Path | None = None,
+    reuse_kv: bool = True,
 ) -> dict:
     """The bench (module docstring): one warm-up pair of steps, then ``steps`` pairs (multi, then single);
     prints the figures; returns the result."""
@@ -343,7 +358,9 @@ def run(
         raise LorarlError("bench agent-turns: --steps must be >= 1 and --turn-tokens >= 2")
     torch.set_num_threads(bench_threads())
     _, dtype = device_and_dtype()
-    multi = make_side("multi", bench_recipe(model, True, prompts, group, turn_tokens, dtype), engine, turn_tokens)
+    multi = make_side(
+        "multi", bench_recipe(model, True, prompts, group, turn_tokens, dtype, reuse_kv), engine, turn_tokens
+    )
     single = make_side(
         "single", bench_recipe(model, False, prompts, group, turn_tokens, dtype), engine, TURNS * turn_tokens
     )
@@ -374,6 +391,7 @@ def run(
             "engine": engine,
             "timed_steps": steps,
             "tool_message_ids": len(suffix),
+            "reuse_kv": reuse_kv,
         },
         **res,
         "ratio_step": ratio(mu["s_per_step"], si["s_per_step"]),
@@ -401,14 +419,19 @@ def format_table(result: dict) -> str:
     rows += [
         ("  engine calls (generation)", mu["engine_s"], si["engine_s"]),
         ("  generation outside the engine", mu["generation_outside_engine_s"], si["generation_outside_engine_s"]),
-        ("  prefill forwards (measured after)", mu["prefill_s"], si["prefill_s"]),
+        ("  full-context prefill forwards (measured after)", mu["prefill_s"], si["prefill_s"]),
     ]
     out = [f"| seconds per step | {TURNS} turns | 1 turn | ratio |", "|---|---|---|---|"]
     for label, a, b in rows:
         out.append(f"| {label} | {a:.3f} | {b:.3f} | {ratio(a, b) if b > 1e-4 else '-'} |")
     per_call = ", ".join(f"{x:.3f}" for x in mu["engine_s_per_call"])
     pre = ", ".join(f"{x:.3f}" for x in mu["prefill_s_per_call"])
-    out.append(f"multi-turn engine s per turn: {per_call}; of which prefill forward: {pre}")
+    out.append(f"multi-turn engine s per turn: {per_call}; a full-context prefill of each turn: {pre}")
+    reuse = "kept between turns" if result["settings"].get("reuse_kv", True) else "not kept (--no-reuse-kv)"
+    out.append(
+        f"multi-turn keys / values {reuse}: context tokens prefilled {mu.get('prefill_tokens')}, reused "
+        f"{mu.get('kv_reused_tokens')}"
+    )
     out.append(
         f"turns per row {sorted(set(mu['turns_per_row']))} vs {sorted(set(si['turns_per_row']))}; tool calls "
         f"{mu['tool_calls']}; sampled tokens {mu['sampled_tokens']} vs {si['sampled_tokens']}; loss tokens "
@@ -426,10 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=4, help="trajectories per prompt")
     p.add_argument("--turn-tokens", type=int, default=16, help="tokens per model turn (L)")
     p.add_argument("--engine", choices=["hf"], default="hf")
+    p.add_argument(
+        "--no-reuse-kv",
+        action="store_true",
+        help="multi-turn side: prefill each turn's whole context (agent.reuse_kv off)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     out = Path(a.out) if a.out else None
-    result = run(a.model, a.steps, a.prompts, a.group, a.turn_tokens, a.engine, out)
+    result = run(a.model, a.steps, a.prompts, a.group, a.turn_tokens, a.engine, out, not a.no_reuse_kv)
     print(json.dumps(result), flush=True)
     return 0
 

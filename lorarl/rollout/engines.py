@@ -28,6 +28,7 @@ from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
 from lorarl.model.tokens import pad_left, position_ids
 from lorarl.rollout.fast import FastEngine
+from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
 
 
 @dataclass
@@ -81,8 +82,11 @@ def prefill_cache(shared: SharedBase, input_ids: Tensor, attention_mask: Tensor)
     return output_cache(out)
 
 
-class HFEngine:
-    """transformers' ``generate`` (the reference implementation every other engine is tested against)."""
+class HFEngine(ReusesKV):
+    """transformers' ``generate`` (the reference implementation every other engine is tested against). Inside
+    ``with engine.reusing_kv():`` a call continues the previous call's rows where its prompts extend them: their
+    kept keys / values go to ``generate`` as its cache, which then computes only the new prompt tokens
+    (:mod:`lorarl.rollout.prefix_kv`)."""
 
     name = "hf"
 
@@ -112,21 +116,38 @@ class HFEngine:
             recorder=recorder,
         )
         chunks: list[tuple[int, Tensor, Tensor | None]] = []
-        if group_size > 1 and P > 1 and batch_size is None:
+        kv = self.prefix_kv
+        if kv is not None:
+            kv.check(shared)
+            kv.begin()
+        shared_prefill = group_size > 1 and P > 1 and batch_size is None
+        if kv is not None and kv.kept is not None and group_size == 1:
+            # continue the kept rows: each chunk left padded on its own, its matched columns handed over as the cache
+            step = batch_size or n
+            for s in range(0, n, step):
+                ids, mask, cache, _ = kv.prefill_cache(shared, rows[s : s + step])
+                out = self._generate(shared, ids, mask, cache, kwargs, rows[s : s + step])
+                chunks.append((s, out.cpu(), recorder.finish(out) if recorder else None))
+        elif shared_prefill:
             # The G copies of a prompt share their prefix: run the prompt once, copy its KV cache G times, and let
             # generate() continue from it (it computes only the last prompt token). Prefill work drops G-fold.
             unique_ids, unique_mask = pad_left(prompts, pad_id)  # [M, P]
             cache = prefill_cache(shared, unique_ids[:, :-1], unique_mask[:, :-1])
             cache.batch_repeat_interleave(group_size)
-            ids, mask = prompt_ids.to(shared.device), prompt_mask.long().to(shared.device)
-            out = shared.generate(ids, mask, **cache_arg(cache), **kwargs)[:, P:]
+            out = self._generate(shared, prompt_ids, prompt_mask, cache, kwargs, rows)
             chunks.append((0, out.cpu(), recorder.finish(out) if recorder else None))
+            if kv is not None:
+                kv.prefilled_tokens += sum(len(p) for p in prompts)
         else:
             step = batch_size or n
             for s in range(0, n, step):
-                ids, mask = prompt_ids[s : s + step].to(shared.device), prompt_mask[s : s + step].long()
-                out = shared.generate(ids, mask.to(shared.device), **kwargs)[:, P:]
+                ids, mask = prompt_ids[s : s + step], prompt_mask[s : s + step]
+                out = self._generate(shared, ids, mask, None, kwargs, rows[s : s + step])
                 chunks.append((s, out.cpu(), recorder.finish(out) if recorder else None))
+            if kv is not None:
+                kv.prefilled_tokens += sum(len(p) for p in rows)
+        if kv is not None:
+            kv.commit()
         width = max(max(c.shape[1] for _, c, _ in chunks), 1)
         completion_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [N, T] right padded
         logprobs = torch.zeros(n, width) if recorder is not None else None
@@ -135,6 +156,21 @@ class HFEngine:
             if lp is not None:
                 logprobs[s : s + lp.shape[0], : lp.shape[1]] = lp
         return Sampled(completion_ids, logprobs)
+
+    def _generate(self, shared: SharedBase, ids: Tensor, mask: Tensor, cache, kwargs: dict, rows: list[list[int]]):
+        """``generate`` on left-padded prompts ``ids`` / ``mask`` ``[n, W]`` (``cache``: keys / values of their first
+        columns, or None) -> the new tokens ``[n, T]``; inside a reuse scope the rows' real tokens are kept."""
+        dev, W = shared.device, ids.shape[1]
+        extra = cache_arg(cache) if cache is not None else {}
+        if self.prefix_kv is None:
+            return shared.generate(ids.to(dev), mask.long().to(dev), **extra, **kwargs)[:, W:]
+        out = shared.generate(ids.to(dev), mask.long().to(dev), **extra, **kwargs, return_dict_in_generate=True)
+        new = out.sequences[:, W:]
+        kept = output_cache(out)
+        columns = fed_columns(mask.bool(), new, kept.get_seq_length() - W, shared.eos_ids)
+        kept_ids = [p + new[i, : len(c) - len(p)].tolist() for i, (p, c) in enumerate(zip(rows, columns))]
+        self.prefix_kv.add(KeptRows.from_cache(list(kept.layers), columns, kept_ids))
+        return new
 
 
 ENGINES: dict[str, type] = {"hf": HFEngine, "fast": FastEngine}

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from lorarl.rollout.fast.graphs import pool_for
 from lorarl.rollout.fast.sampling import SamplerSettings, cache_length
-from lorarl.rollout.fast.state import DecodeState, prefill, unique_prompts
+from lorarl.rollout.fast.state import DecodeState, cache_layers, prefill, unique_prompts
+from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
 
 if TYPE_CHECKING:
     from lorarl.config import GenerationConfig
@@ -81,10 +82,12 @@ def sampler_settings(generation: GenerationConfig, greedy: bool, record: bool, d
     return s
 
 
-class FastEngine:
+class FastEngine(ReusesKV):
     """The static-cache decode engine (see the module doc). ``cuda_graphs`` / ``eos_check_every`` override the
     recipe's ``generation.cuda_graphs`` / ``generation.eos_check_every``; ``draw`` picks how sampled tokens are drawn
-    (``race``: ``torch.multinomial``'s own algorithm, the default on CUDA; ``inverse_cdf``: the default on CPU)."""
+    (``race``: ``torch.multinomial``'s own algorithm, the default on CUDA; ``inverse_cdf``: the default on CPU).
+    Inside ``with engine.reusing_kv():`` a call prefills only what the previous call's rows do not already hold
+    (:mod:`lorarl.rollout.prefix_kv`)."""
 
     name = "fast"
 
@@ -115,9 +118,9 @@ class FastEngine:
         if reason is not None:
             warnings.warn(f"generation.engine fast: {reason}; using hf", stacklevel=2)
             options = {"greedy": greedy, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
-            return HFEngine().sample(
-                shared, prompts, group_size, generation, record_logprobs=record_logprobs, **options
-            )
+            hf = HFEngine()
+            hf.prefix_kv = self.prefix_kv
+            return hf.sample(shared, prompts, group_size, generation, record_logprobs=record_logprobs, **options)
         draw = self.draw or ("race" if shared.device.type == "cuda" else "inverse_cdf")
         sampler = sampler_settings(generation, greedy, record_logprobs, draw)
         C = int(max_new_tokens or generation.max_new_tokens)
@@ -126,12 +129,16 @@ class FastEngine:
         ids = torch.full((n, C), shared.pad_id, dtype=torch.long)
         logprobs = torch.zeros(n, C) if record_logprobs else None
         width, self.steps_run = 1, 0
+        if self.prefix_kv is not None:
+            self.prefix_kv.begin()
         for s in range(0, n, step):
             c_ids, c_lp = self._decode(shared, prompts, rows[s : s + step], C, sampler, generation)
             ids[s : s + c_ids.shape[0], : c_ids.shape[1]] = c_ids
             if logprobs is not None:
                 logprobs[s : s + c_lp.shape[0], : c_lp.shape[1]] = c_lp
             width = max(width, c_ids.shape[1])
+        if self.prefix_kv is not None:
+            self.prefix_kv.commit()
         return Sampled(ids[:, :width], logprobs[:, :width] if logprobs is not None else None)
 
     def _graphs_on(self, shared: SharedBase, generation: GenerationConfig) -> bool:
@@ -160,7 +167,7 @@ class FastEngine:
         """Decode one batch of rows (``rows``: the prompt index of each) -> ``(ids [n, t], log-probs [n, t])`` on
         the CPU, ``t`` the steps run."""
         uniq, inverse = unique_prompts(rows)
-        prompt_cache, logits, mask = prefill(shared, [prompts[u] for u in uniq])
+        prompt_cache, logits, mask = prefill(shared, [prompts[u] for u in uniq], self.prefix_kv)
         keys = prompt_cache.layers[0].keys  # [M, kv heads, P, head dim]
         graphs = self._graphs_on(shared, generation)
         length = cache_length(mask.shape[1], new_tokens, GRAPH_BUCKET if graphs else 1)
@@ -183,6 +190,14 @@ class FastEngine:
             run()
             done += 1
         self.steps_run += done
+        if self.prefix_kv is not None:  # keep the rows' real tokens for the next call (sampled token s: column P + s)
+            row_mask = mask.index_select(0, torch.as_tensor(inverse))
+            columns = fed_columns(row_mask, state.out_tokens[:, :done], done - 1, shared.eos_ids)
+            ids = [
+                prompts[r] + state.out_tokens[i, : len(c) - len(prompts[r])].tolist()
+                for i, (r, c) in enumerate(zip(rows, columns))
+            ]
+            self.prefix_kv.add(KeptRows.from_cache(cache_layers(state.cache), columns, ids))
         out_ids = state.out_tokens[:, :done].to("cpu", copy=True)
         out_lp = state.out_logprobs[:, :done].to("cpu", copy=True) if sampler.record else None
         return out_ids, out_lp

@@ -34,6 +34,7 @@ from lorarl.rollout.fast.sampling import SamplerSettings, mask_finished, select_
 
 if TYPE_CHECKING:
     from lorarl.model import SharedBase
+    from lorarl.rollout.prefix_kv import PrefixKV
 
 
 def unique_prompts(rows: list[int]) -> tuple[list[int], list[int]]:
@@ -47,20 +48,25 @@ def unique_prompts(rows: list[int]) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def prefill(shared: SharedBase, prompts: list[list[int]]):
-    """Run the ``M`` distinct prompts (left padded to ``P``) through the active role once.
+def prefill(shared: SharedBase, prompts: list[list[int]], prefix_kv: PrefixKV | None = None):
+    """Run the ``M`` distinct prompts (left padded to ``P``) through the active role once; with ``prefix_kv``, only
+    the columns its kept rows do not cover (:meth:`~lorarl.rollout.prefix_kv.PrefixKV.prefill_cache`).
 
     Returns ``(cache, last_logits [M, V] in the model's dtype, mask [M, P] bool)``: a ``DynamicCache`` with their
     keys / values and the logits that predict each prompt's first completion token."""
     from transformers import DynamicCache
 
-    ids, mask = pad_left(prompts, shared.pad_id)
+    if prefix_kv is not None:
+        ids, mask, cache, S = prefix_kv.prefill_cache(shared, prompts)
+    else:
+        (ids, mask), cache = pad_left(prompts, shared.pad_id), None
+        S = ids.shape[1]
     dev = shared.device
     out = shared.decoder()(
-        input_ids=ids.to(dev),
+        input_ids=ids[:, -S:].to(dev),
         attention_mask=mask.long().to(dev),
-        position_ids=position_ids(mask).to(dev),
-        **cache_arg(DynamicCache()),
+        position_ids=position_ids(mask)[:, -S:].to(dev),
+        **cache_arg(cache if cache is not None else DynamicCache()),
         use_cache=True,
     )
     logits = shared.output_head()(out.last_hidden_state[:, -1])
