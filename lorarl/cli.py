@@ -70,8 +70,9 @@ def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, overrides)
     if recipe.agent is not None:  # a missing tool, function or environment class: one line, before the model loads
         from lorarl.agents import resolve_agent
+        from lorarl.agents.setup import check_reward_source
 
-        resolve_agent(recipe.agent, recipe.source_path)
+        check_reward_source(recipe.reward, recipe.agent, resolve_agent(recipe.agent, recipe.source_path))
     out = Path(args.out)
     from lorarl.runstate import PRE_RUN_FILES, check_not_live
 

@@ -3,8 +3,10 @@
 TRL's convention (``GRPOTrainer(environment_factory=...)``, trl 1.x): the factory takes no argument and returns an
 instance; the instance has ``reset(**row)`` -- called with the dataset row's fields as keyword arguments -- that
 returns None or a string appended to the last user message; its public methods other than ``reset`` and
-``get_reward`` are the tools (schemas from their type hints and docstrings); an optional ``get_reward()`` (no
-argument) returns the rollout's reward from the environment's state, added to the reward functions with weight 1.
+``get_reward`` are the tools (schemas from their type hints and docstrings; ``async def`` methods are awaited); an
+optional ``get_reward()`` (no argument, plain or ``async``) returns the rollout's reward from the environment's
+state, added to the reward functions with weight 1 and logged as ``rewards/<class name>/mean``. An environment with
+``get_reward`` may be the only reward source (``reward.functions: []``), as in TRL.
 
 Here the class named in ``agent.environment`` is the factory. :class:`EnvironmentSession` is one rollout's
 instance: built when the rollout starts, reset with the row, asked for the reward at the end, then released
@@ -20,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lorarl.agents.tools import Tool, tool_schema
+from lorarl.agents.tools import Tool, resolve_awaitable, tool_schema
 from lorarl.errors import LorarlError
 from lorarl.user_code import load_object
 
@@ -66,7 +68,7 @@ class EnvironmentSession:
         self.reset_error: str | None = None
         try:
             self.instance = cls()
-            obs = self.instance.reset(**row)
+            obs = resolve_awaitable(self.instance.reset(**row))
             if obs is not None and not isinstance(obs, str):
                 raise TypeError(f"reset returned {type(obs).__name__}, not a string or None")
             self.observation = obs
@@ -84,7 +86,7 @@ class EnvironmentSession:
         if fn is None or self.reset_error is not None:
             return math.nan
         try:
-            return float(fn())
+            return float(resolve_awaitable(fn()))  # (an ``async def get_reward``, as TRL allows, is awaited)
         except Exception:  # counted by the caller as a NaN reward
             return math.nan
 

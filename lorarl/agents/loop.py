@@ -12,8 +12,10 @@ Per step (``N = prompts x group_size`` trajectories, each with its own environme
    tool message ids and appended (loss mask False) -- the conversation is never re-tokenized; rows that finished
    (an answer without a call, ``agent.max_turns`` reached, a budget spent) wait;
 4. turn ``k + 1``: one engine call for the rows still going, each continuing from its own ``prompt + trajectory``
-   ids. The engines take token lists and keep no cache between calls, so these rows are prefilled again (the
-   prompt's KV is reused only within turn 1); a cache kept across turns is future work (``docs/agents.md``).
+   ids. With ``agent.reuse_kv`` (the default) the engine keeps every row's keys / values between the calls of the
+   rollout and prefills only the ids appended since (the end-of-turn token and the tool message): each row's
+   prompt, the group's shared prefix included, and its earlier turns go through the model once
+   (:mod:`lorarl.rollout.prefix_kv`; both engines). Without it every turn prefills the whole context again.
 
 The whole loop runs inside one ``shared.role(role)``: every turn of a step is sampled by the same adapter, in eval
 mode (no dropout), as the trainer will score it. Budgets: at most ``agent.max_tokens_per_turn`` sampled per turn
@@ -23,6 +25,7 @@ on a call at ``max_turns``, is *truncated*.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from lorarl.agents.environment import EnvironmentSession
 from lorarl.agents.setup import Agent
-from lorarl.agents.tools import call_tool
+from lorarl.agents.tools import PendingCall, ToolResult, call_tools
 from lorarl.config import GenerationConfig
 from lorarl.model import SharedBase
 from lorarl.model.tokens import pad_left
@@ -67,6 +70,8 @@ class AgentStats:
     tool_tokens: int = 0
     truncated: int = 0
     reset_errors: int = 0
+    prefilled_tokens: int = 0  # prompt / context tokens the engine ran through the model (all turns)
+    reused_tokens: int = 0  # context tokens of turns 2+ taken from kept keys / values instead
 
     def metrics(self) -> dict[str, float]:
         """Per-step metrics (TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` where TRL has them)."""
@@ -81,6 +86,8 @@ class AgentStats:
             "agent/tool_tokens": self.tool_tokens,
             "agent/truncated_ratio": self.truncated / n,
             "agent/env_reset_errors": self.reset_errors,
+            "agent/prefill_tokens": self.prefilled_tokens,
+            "agent/kv_reused_tokens": self.reused_tokens,
         }
 
 
@@ -125,10 +132,19 @@ def _first_eos(ids: list[int], eos: set[int]) -> int | None:
     return None
 
 
+@dataclass
+class TurnCalls:
+    """What one row's turn asks of the tools: its calls in order, and why each malformed call failed to parse."""
+
+    calls: list[PendingCall]
+    malformed: list[str]
+
+
 def _end_turn(
-    agent: Agent, tr: Trajectory, sampled: list[int], lps: list[float], tools, stats, eos, tok, per_turn: int
-) -> None:
-    """Step 3 for one row: append the turn's ids, then its tool results (or finish the trajectory)."""
+    agent: Agent, tr: Trajectory, sampled: list[int], lps: list[float], tools, eos, tok, per_turn: int
+) -> TurnCalls | None:
+    """Step 3 for one row, first half: append the turn's ids; return its tool calls (None when the trajectory
+    ended: an answer without calls, a cut turn, ``max_turns`` reached)."""
     cfg = agent.cfg
     budget = min(per_turn, cfg.max_total_tokens - len(tr.ids))
     end = _first_eos(sampled, eos)
@@ -142,26 +158,31 @@ def _end_turn(
     tr.last_text = tok.decode(keep, skip_special_tokens=True)
     if not ended:
         tr.done = tr.truncated = True
-        return
+        return None
     parsed = agent.fmt.parse(text)
     if not parsed.calls and not parsed.malformed:
         tr.done = True
-        return
+        return None
     if tr.turns >= cfg.max_turns:  # calls left unanswered: the trajectory did not finish
         tr.done = tr.truncated = True
-        return
-    results = []
-    for call in parsed.calls:
-        res = call_tool(tools, call.name, call.arguments, cfg.tool_timeout_s, cfg.max_tool_output_chars)
+        return None
+    return TurnCalls([PendingCall(tools, c.name, c.arguments) for c in parsed.calls], list(parsed.malformed))
+
+
+def _append_results(agent: Agent, tr: Trajectory, turn: TurnCalls, results: list[ToolResult], stats) -> None:
+    """Step 3, second half: the turn's tool results (then an error message per malformed call) rendered as the
+    template's tool message ids and appended as context (or the trajectory ends when they do not fit)."""
+    messages = []
+    for res in results:
         stats.tool_calls += 1
         stats.tool_errors += res.error is not None
-        results.append((res.name, res.text))
-    for why in parsed.malformed:
+        messages.append((res.name, res.text))
+    for why in turn.malformed:
         stats.tool_calls += 1
         stats.malformed_calls += 1
-        results.append(("error", '{"error": "malformed tool call: ' + why.replace('"', "'")[:300] + '"}'))
-    suffix = agent.renderer.tool_suffix_ids(results)
-    if len(tr.ids) + len(suffix) >= cfg.max_total_tokens:  # no room for the results and another turn
+        messages.append(("error", '{"error": "malformed tool call: ' + why.replace('"', "'")[:300] + '"}'))
+    suffix = agent.renderer.tool_suffix_ids(messages)
+    if len(tr.ids) + len(suffix) >= agent.cfg.max_total_tokens:  # no room for the results and another turn
         tr.done = tr.truncated = True
         return
     tr.ids += suffix
@@ -226,7 +247,12 @@ def agent_rollout(
         tr.ids, tr.model, tr.sampler = list(rest), [False] * len(rest), [0.0] * len(rest)
     stats = AgentStats(trajectories=len(trajs), reset_errors=sum(bool(s and s.reset_error) for s in sessions))
     per_turn = agent.cfg.max_tokens_per_turn or max_new_tokens or generation.max_new_tokens
-    with phase("generation"), shared.role(role, train=False):
+    reuse = agent.cfg.reuse_kv and hasattr(engine, "reusing_kv")
+    with (
+        phase("generation"),
+        shared.role(role, train=False),
+        engine.reusing_kv() if reuse else contextlib.nullcontext() as kv,
+    ):
         first = True
         while True:
             live = [i for i, tr in enumerate(trajs) if not tr.done]
@@ -242,10 +268,22 @@ def agent_rollout(
             else:
                 sampled = engine.sample(shared, [prefixes[i] + trajs[i].ids for i in live], 1, generation, **kwargs)
             first = False
+            turns: dict[int, TurnCalls] = {}
             for j, i in enumerate(live):
                 ids = sampled.completion_ids[j].tolist()
                 lps = sampled.sampler_logprobs[j].tolist() if sampled.sampler_logprobs is not None else [0.0] * len(ids)
-                _end_turn(agent, trajs[i], ids, lps, tool_maps[i], stats, eos, tok, per_turn)
+                turn = _end_turn(agent, trajs[i], ids, lps, tool_maps[i], eos, tok, per_turn)
+                if turn is not None:
+                    turns[i] = turn
+            calling = list(turns)  # the rows' calls run concurrently, each row's in order (agent.tool_workers)
+            cfg = agent.cfg
+            results = call_tools(
+                [turns[i].calls for i in calling], cfg.tool_timeout_s, cfg.max_tool_output_chars, cfg.tool_workers
+            )
+            for i, res in zip(calling, results):
+                _append_results(agent, trajs[i], turns[i], res, stats)
+        if kv is not None:
+            stats.prefilled_tokens, stats.reused_tokens = kv.prefilled_tokens, kv.reused_tokens
     stats.turns = sum(tr.turns for tr in trajs)
     stats.truncated = sum(tr.truncated for tr in trajs)
     env_rewards = torch.tensor([s.reward() if s is not None else float("nan") for s in sessions])

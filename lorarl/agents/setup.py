@@ -39,6 +39,17 @@ def resolve_agent(cfg: AgentConfig, recipe_path: str | Path | None = None) -> Re
     return ResolvedAgent(tools, env_cls, env_schemas)
 
 
+def check_reward_source(reward, agent_cfg: AgentConfig, resolved: ResolvedAgent) -> None:
+    """A recipe whose only reward is the environment's (``reward.functions: []``, TRL's ``reward_funcs`` left out):
+    the environment must define ``get_reward``; else one :class:`LorarlError` line."""
+    if reward.source == "rules" and not reward.functions:
+        if resolved.environment is None or not callable(getattr(resolved.environment, "get_reward", None)):
+            raise LorarlError(
+                f"reward.functions is empty and agent.environment {agent_cfg.environment!r} has no get_reward "
+                "method: name a reward function, or let the environment score the rollout with get_reward()"
+            )
+
+
 @dataclass
 class Agent:
     """Everything a multi-turn rollout needs besides the model: the settings, the tools and environment, the

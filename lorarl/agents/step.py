@@ -48,17 +48,21 @@ def make_step_rollout(recipe, shared, prompts) -> RolloutFn:
         return single_turn
 
     from lorarl.agents.loop import agent_rollout
-    from lorarl.agents.setup import build_agent
+    from lorarl.agents.setup import build_agent, check_reward_source
 
     agent = build_agent(
         recipe.agent, shared.tokenizer, shared.eos_ids, recipe.source_path, system_prompt=recipe.data.system_prompt
     )
+    check_reward_source(recipe.reward, recipe.agent, agent.resolved)
 
     def multi_turn(prompt_index: list[int], **kw) -> StepRollout:
         rows = [prompts.rows[i] for i in prompt_index]
         out = agent_rollout(shared, agent, rows, gen, prompt_index=prompt_index, **kw)
-        env = out.env_rewards if agent.resolved.environment is not None else None
-        return StepRollout(out.rollout, out.stats.metrics(), env)
+        env_cls, metrics = agent.resolved.environment, out.stats.metrics()
+        env = out.env_rewards if env_cls is not None else None
+        if env is not None and not torch.isnan(env).all():  # TRL logs the environment's reward under its class name
+            metrics[f"rewards/{env_cls.__name__}/mean"] = float(env.nanmean())
+        return StepRollout(out.rollout, metrics, env)
 
     multi_turn.agent = agent  # type: ignore[attr-defined]  (tests and eval read the resolved agent)
     return multi_turn

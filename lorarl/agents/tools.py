@@ -13,9 +13,12 @@ JSON-serialisable as JSON); every failure -- a raise, a timeout, a non-text resu
 
 from __future__ import annotations
 
+import asyncio
 import difflib
+import inspect
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,10 +167,67 @@ def call_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: floa
     if why is not None:
         return fail(f"{name}: {why}")
     try:
-        value = call_with_timeout(lambda: tool.fn(**arguments), timeout_s)
+        if inspect.iscoroutinefunction(tool.fn):  # an async tool (TRL runs them too): awaited under the time limit
+            value = run_coroutine(asyncio.wait_for(tool.fn(**arguments), timeout_s))
+        else:
+            value = call_with_timeout(lambda: resolve_awaitable(tool.fn(**arguments)), timeout_s)
         return ToolResult(name, result_text(value, max_chars))
     except Exception as e:  # the tool's problem is told to the model, never raised (RewardTimeout included)
         msg = str(e) or type(e).__name__
-        if type(e).__name__ == "RewardTimeout":
+        if type(e).__name__ in ("RewardTimeout", "TimeoutError"):
             msg = f"timed out after {timeout_s:g} s"
         return fail(f"{name}: {msg}")
+
+
+def run_coroutine(coro: Any) -> Any:
+    """Run ``coro`` to its end and return its value: ``asyncio.run`` in this thread, or in a helper thread when this
+    thread already runs an event loop (a chat handler, say)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def resolve_awaitable(value: Any) -> Any:
+    """``value``, or what it resolves to when a synchronous function returned an awaitable."""
+    if inspect.isawaitable(value):
+
+        async def wait() -> Any:
+            return await value
+
+        return run_coroutine(wait())
+    return value
+
+
+@dataclass
+class PendingCall:
+    """One call of a turn: the row's tools, the name the model called and its arguments."""
+
+    tools: dict[str, Tool]
+    name: str
+    arguments: Any
+
+
+def call_tools(
+    rows: list[list[PendingCall]], timeout_s: float, max_chars: int = 2000, workers: int = 1
+) -> list[list[ToolResult]]:
+    """Every call of one turn: ``rows[r]`` is row ``r``'s calls in the order the model made them. Rows run
+    concurrently on up to ``workers`` threads (tools that wait on a process, a sandbox or the network overlap); the
+    calls of one row run one after the other, in order (an environment's calls may depend on each other). Results
+    come back in the same layout; :func:`call_tool` never raises."""
+
+    def run_row(calls: list[PendingCall]) -> list[ToolResult]:
+        return [call_tool(c.tools, c.name, c.arguments, timeout_s, max_chars) for c in calls]
+
+    busy = [r for r, calls in enumerate(rows) if calls]
+    out: list[list[ToolResult]] = [[] for _ in rows]
+    if workers <= 1 or len(busy) <= 1:
+        for r in busy:
+            out[r] = run_row(rows[r])
+        return out
+    with ThreadPoolExecutor(max_workers=min(workers, len(busy)), thread_name_prefix="lorarl-tool") as pool:
+        for r, results in zip(busy, pool.map(run_row, [rows[r] for r in busy])):
+            out[r] = results
+    return out

@@ -28,6 +28,8 @@ class AgentConfig:
     max_total_tokens: int = 512  # all trajectory tokens after the prompt (model and tool tokens); past it: truncated
     tool_timeout_s: float = 10.0  # wall-clock limit of one tool call; a call past it is an error told to the model
     max_tool_output_chars: int = 2000  # a longer tool result is cut to this many characters (and says so)
+    reuse_kv: bool = True  # turns 2+ prefill only the new tokens (the rows' keys / values kept between turns)
+    tool_workers: int = 8  # rows whose tool calls run at once (each row's calls in order); 1: one call at a time
 
     def validate(self, where: str) -> None:
         check(bool(self.tools) or bool(self.environment), where, "agent", "needs agent.tools or agent.environment")
@@ -45,3 +47,4 @@ class AgentConfig:
         check(self.max_total_tokens >= 1, where, "agent.max_total_tokens", "must be >= 1")
         check(self.tool_timeout_s > 0, where, "agent.tool_timeout_s", "must be > 0")
         check(self.max_tool_output_chars >= 16, where, "agent.max_tool_output_chars", "must be >= 16")
+        check(self.tool_workers >= 1, where, "agent.tool_workers", "must be >= 1")

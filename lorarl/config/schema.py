@@ -149,12 +149,6 @@ class RewardConfig:
         for i, spec in enumerate(self.functions):
             check(bool(spec.name), where, f"reward.functions[{i}].name", "must not be empty")
             validate_reward_entry(spec, where, i)
-        check(
-            self.source == "reward_model" or bool(self.functions),
-            where,
-            "reward.functions",
-            f"must name at least one function with reward.source {self.source}",
-        )
         check(self.timeout_s >= 0, where, "reward.timeout_s", "must be >= 0 (0: no limit)")
         check(0 < self.max_failure_fraction <= 1, where, "reward.max_failure_fraction", "must be in (0, 1]")
 
@@ -305,3 +299,11 @@ class Recipe:
                 section.validate(where)
         if self.algo in TRAINS_ON_SAMPLES:
             self.generation.validate_for_training(where)
+        env_reward = self.agent is not None and bool(self.agent.environment)  # its get_reward (checked at import)
+        check(
+            self.reward.source == "reward_model" or bool(self.reward.functions) or env_reward,
+            where,
+            "reward.functions",
+            f"must name at least one function with reward.source {self.reward.source} (or an agent.environment "
+            "with get_reward)",
+        )

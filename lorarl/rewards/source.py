@@ -106,7 +106,8 @@ class RewardSource:
         if source not in SOURCES:
             raise LorarlError(f"{key} must be one of {', '.join(SOURCES)}, got {source!r}")
         self.shared, self.source, self.batch_size = shared, source, batch_size
-        self.uses_rm, self.uses_rules = source in ("reward_model", "both"), source in ("rules", "both")
+        # (no rule function with source rules: an environment's get_reward scores alone, lorarl.agents.step)
+        self.uses_rm, self.uses_rules = source in ("reward_model", "both"), source in ("rules", "both") and bool(rules)
         self.model_weight = model_weight if source == "both" else 1.0
         self.adapter: Path | None = None
         if self.uses_rm:
@@ -122,7 +123,7 @@ class RewardSource:
     def score_rollout(self, prompts, rollout) -> SourceScores:
         """Score a rollout whose rows answer rows ``rollout.prompt_index`` of ``prompts`` (a PromptSet)."""
         rm = None
-        total = torch.zeros(len(rollout))
+        total = torch.zeros(len(rollout)) if self.uses_rm else torch.full((len(rollout),), float("nan"))
         if self.uses_rm:
             # one EOS rule: a finished response is scored at the end-of-turn id the reward model was trained on,
             # whichever EOS id ended it
