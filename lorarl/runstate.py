@@ -43,7 +43,10 @@ PID_FILE = "train.pid"
 STATE_FILE = "state.json"
 LOG_FILE = "train.log"  # the workbench's launches write the process's output here (lorarl.app.jobs)
 LAUNCH_FILE = "launch.json"  # the workbench's record of a launch: recipe, overrides, working folder (lorarl.app.jobs)
-PRE_RUN_FILES = (LOG_FILE, LAUNCH_FILE)  # written before `lorarl train` starts: a folder of only these is not a run
+VOTES_FILE = "votes.jsonl"  # a retrain's copy of the chat's votes at launch (lorarl.app.retrain), ties beside it
+VOTES_TIES_FILE = "votes_ties.jsonl"
+# written before `lorarl train` starts: a folder of only these is not a run
+PRE_RUN_FILES = (LOG_FILE, LAUNCH_FILE, VOTES_FILE, VOTES_TIES_FILE)
 STATES = ("new", "running", "stopped", "finished", "crashed")
 KILLED = "the process ended without saying why (killed?)"
 

@@ -485,7 +485,13 @@ def test_retrain_dpo_and_reward_model_on_votes(grpo_run, tiny_model_dir):
     assert summary["train_pairs"] == 5 and summary["skipped_pairs"]["identical"] == 1 and summary["ties_beside"] == 1
     saved = load_recipe(dpo / "recipe.yaml", strict=False)
     assert saved.model.init_adapter == str((grpo_run["run"] / "policy").resolve())
-    assert saved.data.source == str(votes.resolve()) and saved.data.eval_source is None
+    # trained on a copy of the votes as they were at launch (a vote cast later changes no resume)
+    snapshot = dpo / "votes.jsonl"
+    assert saved.data.source == str(snapshot.resolve()) and saved.data.eval_source is None
+    assert (
+        snapshot.read_text() == votes.read_text()
+        and (dpo / "votes_ties.jsonl").read_text() == ties_path(votes).read_text()
+    )
     assert (dpo / "policy" / "adapter_config.json").is_file()
 
     rm = retrain.launch_retrain(
@@ -502,6 +508,18 @@ def test_retrain_dpo_and_reward_model_on_votes(grpo_run, tiny_model_dir):
     assert summary["train_pairs"] == 5 and summary["skipped_pairs"] == 1
     assert summary["steps"] == 2  # 5 usable pairs x 2 epochs / 5 a step
     assert (rm / "reward" / "adapter_config.json").is_file() and watch.RunWatch(rm).poll().state == "finished"
+    append_jsonl(votes, record)  # a later vote
+    assert snapshot.read_text() != votes.read_text()
+    with pytest.raises(LorarlError, match="already exists"):  # nothing overwritten
+        retrain.launch_retrain(runner, "dpo", "g1/policy", run_name="dpo-votes", extra_overrides=extra)
+    assert len(snapshot.read_text().splitlines()) == 6
+
+    def refuse(recipe, name, overrides):
+        raise LorarlError("a run is live")
+
+    with pytest.raises(LorarlError, match="a run is live"):  # a refused launch leaves no folder behind
+        retrain.launch_retrain(runner, "dpo", "g1/policy", run_name="refused", launch=refuse)
+    assert not (runs / "refused").exists()
 
 
 def test_export_with_gate_figures(grpo_run):

@@ -322,6 +322,33 @@ def test_gradio_client_calls_the_app_api(runs_dir, engine):
     assert not (runs_dir / "preferences.jsonl").exists()
 
 
+def test_host_header_check_and_the_served_app_answers_loopback_names_only(runs_dir, engine):
+    """DNS rebinding: a page of another site whose name resolves to 127.0.0.1 reaches the loopback port with its own
+    name as Host; the app served on loopback refuses it."""
+    import http.client
+
+    from lorarl.chat.app import host_header_is_loopback, launch
+
+    for value, ok in [("127.0.0.1:7860", True), ("localhost", True), ("[::1]:7860", True), ("127.9.9.9", True),
+                      ("evil.example:7860", False), ("", False), ("[::1", False), ("192.168.1.5:7860", False)]:  # fmt: skip
+        assert host_header_is_loopback(value) is ok, value
+    port = _free_port()
+    demo = launch(runs_dir, host="127.0.0.1", port=port, shared=engine.shared, prevent_thread_lock=True, quiet=True)
+    try:
+
+        def get(host: str) -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/config", headers={"Host": host})
+            r = conn.getresponse()
+            return r.status, r.read()
+
+        assert get(f"127.0.0.1:{port}")[0] == 200 and get(f"localhost:{port}")[0] == 200
+        status, body = get(f"rebound.example:{port}")
+        assert status == 403 and b"127.0.0.1 / localhost" in body
+    finally:
+        demo.close()
+
+
 def test_handlers_that_need_the_request_get_it():
     """gradio passes the request (its session: what Stop stops) only to callbacks whose annotation it resolves."""
     import gradio as gr

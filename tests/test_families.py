@@ -12,6 +12,7 @@ The table in docs/families.md is what these tests prove.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -341,7 +342,26 @@ def test_fast_engine_greedy_equals_generate(name, kind, family_dirs):
         with sb.role("policy"):
             out.append(engine.sample(sb, prompts, 2, gen, greedy=True).completion_ids)
     assert out[0].shape == (4, 8)
-    assert torch.equal(out[0], out[1])
+    assert_same_greedy_up_to_ties(sb, [p for p in prompts for _ in range(2)], out[0], out[1])
+
+
+def assert_same_greedy_up_to_ties(sb: SharedBase, rows: list[list[int]], a: torch.Tensor, b: torch.Tensor) -> None:
+    """Greedy tokens ``a`` and ``b`` ``[N, T]`` of two engines are equal, or first differ where the model's own
+    forward puts the top two logits within two units in the last place of the dtype at that magnitude: a tie that
+    rounding of another batch shape may break either way (bf16 logits near 80 are 0.5 apart). Anywhere else a
+    difference fails."""
+    for r, prompt in enumerate(rows):
+        diff = (a[r] != b[r]).nonzero()
+        if not len(diff):
+            continue
+        j = int(diff[0])
+        with torch.no_grad(), sb.role("policy"):
+            ids = torch.tensor([prompt + a[r, :j].tolist()])
+            logits = sb.output_head()(sb.decoder()(input_ids=ids).last_hidden_state[:, -1])[0]
+        top = logits.topk(2).values
+        ulp = float(torch.finfo(logits.dtype).eps) * 2 ** math.floor(math.log2(abs(float(top[0])) or 1.0))
+        margin = float(top[0] - top[1])
+        assert margin <= 2 * ulp, (r, j, margin, ulp, a[r].tolist(), b[r].tolist())
 
 
 # ---- merged export -----------------------------------------------------------------------------------------------

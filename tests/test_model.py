@@ -289,6 +289,37 @@ def test_nf4_path_runs_through_real_bitsandbytes(tiny_model_dir):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nf4_gradients_after_a_rollout_equal_those_before(tiny_model_dir, dtype):
+    """A no-grad eval forward (what a rollout runs) must not change how the 4-bit layers train: bitsandbytes would
+    otherwise repack them on CPUs with AVX512-BF16 for an inference kernel without a backward
+    (lorarl.model.loading.keep_nf4_trainable)."""
+    import bitsandbytes as bnb
+
+    sb = SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="nf4", dtype=dtype))
+    linears = [m for m in sb.base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert linears and not any(m.support_avx512bf16_for_cpu for m in linears)
+    sb.add_adapter("policy", LoraSettings(r=4))
+    ids, mask = _batch(sb.tokenizer, ["quantized forward", "and backward"])
+    params = sb.trainable_parameters("policy")
+
+    def grads() -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        with sb.role("policy", train=True):
+            lp, _ = sb.token_logprobs(ids, mask, start=1)
+            (-(lp * mask[:, 1:]).sum()).backward()
+        return [p.grad.clone() for p in params]
+
+    before = grads()
+    with torch.no_grad(), sb.role("policy"):  # the rollout's forward: eval mode, no gradients
+        sb.token_logprobs(ids, mask, start=1)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in linears)
+    after = grads()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert any(float(g.abs().sum()) > 0 for g in after)
+
+
 # ------------------------------------------------------------------ logits as the model's own forward makes them
 
 

@@ -5,7 +5,8 @@ a reward-model run starts a fresh reward adapter and score head on the base the 
 (the checkpoints offered are policies, which are no reward adapter to continue from); only DPO starts from the
 checkpoint's policy.
 
-The shipped recipe is used as it is, with overrides only: ``data.source`` = the votes file; ``data.eval_source:
+The shipped recipe is used as it is, with overrides only: ``data.source`` = a copy of the votes file taken at launch
+(``RUN/votes.jsonl``, ties beside it: a vote cast later changes neither a resume nor the run); ``data.eval_source:
 null`` (the votes have no held-out split, so no held-out pairs are scored; DPO's task evaluation, when its recipe has
 one, still runs at the end); ``model.init_adapter`` = the checkpoint's policy adapter (DPO) and ``model.name`` = the
 base that checkpoint was trained on (else the chat's base); the batch cut to the number of usable pairs, and
@@ -17,16 +18,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from lorarl.app.paths import is_inside, shipped_recipes_dir
+from lorarl.app.jobs import is_unstarted
+from lorarl.app.paths import check_name, is_inside, shipped_recipes_dir
 from lorarl.chat.votes import PREFERENCES_FILE, ties_path
 from lorarl.config import load_recipe, yaml_load
 from lorarl.errors import LorarlError
 from lorarl.runs import CHECKPOINTS, STEP_RE, is_adapter
+from lorarl.runstate import VOTES_FILE, VOTES_TIES_FILE
 
 Kind = Literal["dpo", "reward_model"]
 KINDS = ("dpo", "reward_model")
@@ -199,13 +203,40 @@ def launch_retrain(
     """Launch the retrain on ``RUNS/preferences.jsonl`` with ``runner`` (:class:`lorarl.app.jobs.JobRunner`, its
     recipe folders); the run is named ``KIND-votes-YYYYMMDD-HHMMSS`` unless ``run_name`` is given. ``launch(recipe,
     name, overrides)`` starts it (default ``runner.launch``; the workbench passes its memory-guarded launch)."""
+    name = run_name or f"{kind.replace('_', '-')}-votes-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    check_name(name)
+    run_dir = Path(runner.runs_dir) / name
+    if not is_unstarted(run_dir):
+        raise LorarlError(f"run {name} already exists in {runner.runs_dir}; pick another name or resume it")
+    created = not run_dir.exists()
+    snapshot = snapshot_votes(Path(runner.runs_dir) / PREFERENCES_FILE, run_dir)
     recipe, overrides = retrain_overrides(
         kind,
-        Path(runner.runs_dir) / PREFERENCES_FILE,
+        snapshot,
         start_checkpoint,
         runs_dir=runner.runs_dir,
         recipe_dirs=runner.recipe_dirs,
         base_model=base_model,
     )
-    name = run_name or f"{kind.replace('_', '-')}-votes-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    return (launch or runner.launch)(recipe, name, overrides + list(extra_overrides))
+    try:
+        return (launch or runner.launch)(recipe, name, overrides + list(extra_overrides))
+    except BaseException:
+        if created and all(p.name in (VOTES_FILE, VOTES_TIES_FILE) for p in run_dir.iterdir()):
+            shutil.rmtree(run_dir, ignore_errors=True)  # a refused launch leaves no folder behind
+        raise
+
+
+def snapshot_votes(votes: Path, run_dir: Path) -> Path:
+    """Copy the votes file (and its ties file) into ``RUN/votes.jsonl`` (``RUN/votes_ties.jsonl``), each written
+    atomically, and return the copy: the run trains on the votes as they were at launch, so a vote cast later
+    changes neither a resume (bit-identical) nor what the run's recipe says it trained on."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for src, name in ((votes, VOTES_FILE), (ties_path(votes), VOTES_TIES_FILE)):
+        dst = run_dir / name
+        if not src.is_file():
+            dst.unlink(missing_ok=True)
+            continue
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    return run_dir / VOTES_FILE

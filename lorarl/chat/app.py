@@ -24,6 +24,48 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_header_is_loopback(value: str) -> bool:
+    """An HTTP ``Host`` header names this machine only: ``localhost`` / a loopback address, with or without a port.
+
+    Example: ``"127.0.0.1:7860"``, ``"localhost"``, ``"[::1]:7860"`` -> True; ``"evil.example:7860"``, ``""`` -> False.
+    """
+    value = value.strip()
+    if value.startswith("["):  # [IPv6]:port
+        name = value[1 : value.find("]")] if "]" in value else ""
+    else:
+        name = value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    return bool(name) and is_loopback(name.lower())
+
+
+class LoopbackHostOnly:
+    """ASGI middleware: a request whose ``Host`` header is not a loopback name is refused (HTTP 403, a WebSocket
+    closed with 1008). Binding to 127.0.0.1 keeps other machines out, but not a web page of another site whose name
+    its owner re-binds to 127.0.0.1 (DNS rebinding): its requests reach the loopback port with that site's name as
+    ``Host``. Gradio itself does not check ``Host``."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+            if not host_header_is_loopback(host):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = b"lorarl: this app answers requests for 127.0.0.1 / localhost / [::1] only\n"
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 403,
+                        "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def check_host(host: str, workbench: bool, share: bool = False) -> None:
     """The workbench starts processes and writes files from the page and has no authentication: it serves on a
     loopback address only, never shared. Raises LorarlError (one line) otherwise; the chat alone may go elsewhere
@@ -131,10 +173,15 @@ def launch(
     demo = build_app(runs_dir, model=model, shared=shared, workbench=workbench, recipe_dirs=recipe_dirs)
     demo.queue(default_concurrency_limit=4)
     system_fonts = ["ui-sans-serif", "system-ui", "sans-serif"]  # no web fonts: the app works offline
+    from starlette.middleware import Middleware
+
+    # served on loopback: answer loopback Host names only (DNS rebinding, LoopbackHostOnly)
+    app_kwargs = {"middleware": [Middleware(LoopbackHostOnly)]} if is_loopback(host) and not share else None
     demo.launch(
         server_name=host,
         server_port=port,
         share=share,
+        app_kwargs=app_kwargs,
         prevent_thread_lock=prevent_thread_lock,
         quiet=quiet,
         theme=gr.themes.Soft(font=system_fonts, font_mono=["ui-monospace", "monospace"]),

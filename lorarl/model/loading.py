@@ -97,8 +97,27 @@ def load_base(cfg: ModelConfig, device: torch.device | None = None):
         raise LorarlError(f"model {cfg.name}: cannot load ({e})") from None
     if quant != "nf4":
         model.to(device)
+    else:
+        keep_nf4_trainable(model)
     tok = load_tokenizer(path, cfg.trust_remote_code)
     return model, tok, path
+
+
+def keep_nf4_trainable(model: nn.Module) -> int:
+    """Switch off bitsandbytes' CPU inference repacking on every ``Linear4bit`` of ``model``; returns how many.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit weight for a faster inference kernel the first
+    time the layer runs in eval mode without gradients -- which every rollout does -- and from then on runs every
+    forward through that kernel, which has no backward: a later training forward gets no gradient through the base
+    layer (torch only warns at backward that the result "may be silently incorrect"), and a layer with a bias fails
+    with an in-place error. lorarl samples and trains on the same layers, so the repacking stays off (on CUDA it never
+    applies)."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
 
 
 def lora_config(settings: LoraSettings):
