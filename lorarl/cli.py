@@ -74,11 +74,13 @@ def cmd_train(args) -> int:
 
         check_reward_source(recipe.reward, recipe.agent, resolve_agent(recipe.agent, recipe.source_path))
     out = Path(args.out)
-    from lorarl.runstate import PRE_RUN_FILES, check_not_live
+    from lorarl.runstate import PID_FILE, PRE_RUN_FILES, check_not_live
 
     check_not_live(out)  # never --force away (or resume into) a folder another process is training
-    # the workbench (lorarl.app.jobs) writes DIR/train.log and DIR/launch.json before this process starts: no run yet
-    if out.exists() and any(p.name not in PRE_RUN_FILES for p in out.iterdir()) and not args.resume:
+    # the workbench (lorarl.app.jobs) writes DIR/train.log, DIR/launch.json (and this process's DIR/train.pid)
+    # before this process starts: no run yet
+    pre_run = (*PRE_RUN_FILES, PID_FILE)  # (a train.pid naming another live process was refused just above)
+    if out.exists() and any(p.name not in pre_run for p in out.iterdir()) and not args.resume:
         if not args.force:
             raise LorarlError(
                 f"{out}: run directory is not empty; pass --resume to continue it or --force to start over"

@@ -111,12 +111,14 @@ def proc_start_ticks(pid: int) -> int | None:
         return None
 
 
-def write_pid(run_dir: str | os.PathLike, argv: list[str] | None = None) -> Path:
-    """``DIR/train.pid`` for this process: pid, host name, start time, command line (default ``sys.argv``) and the
-    process's start time in clock ticks (:func:`proc_start_ticks`)."""
+def write_pid(run_dir: str | os.PathLike, argv: list[str] | None = None, pid: int | None = None) -> Path:
+    """``DIR/train.pid`` for this process (or for child ``pid``, which a launcher writes the moment it starts it, so
+    the run counts as live while it still loads): pid, host name, start time, command line (default ``sys.argv``)
+    and the process's start time in clock ticks (:func:`proc_start_ticks`)."""
     path = Path(run_dir) / PID_FILE
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now_iso(), "argv": list(argv or sys.argv)}
-    ticks = proc_start_ticks(os.getpid())
+    pid = os.getpid() if pid is None else pid
+    info = {"pid": pid, "host": socket.gethostname(), "started": now_iso(), "argv": list(argv or sys.argv)}
+    ticks = proc_start_ticks(pid)
     if ticks is not None:
         info["proc_start"] = ticks
     write_json_atomic(path, info)

@@ -130,13 +130,14 @@ def test_recipe_and_run_paths_stay_inside_their_folders(folders):
 def test_launch_refuses_bad_paths_names_and_values_without_starting_anything(folders, tiny_model_dir):
     rdir, runs, outside = folders
     runner = jobs.JobRunner(runs, [rdir])
-    before = sorted(p.name for p in runs.iterdir())
+    before = sorted(p.name for p in runs.iterdir()) + [jobs.LAUNCH_LOCK]  # (the lock a launch takes stays)
     cases = [
         (("evil.yaml", "r1", []), "resolves outside"),
         ((str(outside / "secret.yaml"), "r1", []), "outside"),
         (("../outside/secret.yaml", "r1", []), r"'\.\.'"),
         (("mine.yaml", "../escape", []), "plain folder name"),
         (("mine.yaml", "a/b", []), "plain folder name"),
+        (("mine.yaml", "exports", tiny(tiny_model_dir)), "holds the page's exports"),
         (("mine.yaml", "done", tiny(tiny_model_dir)), "already exists"),
         (("mine.yaml", "r1", ["train.learning_rate=abc"]), "train.learning_rate must be float, got 'abc'"),
         (("mine.yaml", "r1", ["train.steps=-1"]), "train.steps must be >= 1"),
@@ -146,7 +147,7 @@ def test_launch_refuses_bad_paths_names_and_values_without_starting_anything(fol
     for args, why in cases:
         with pytest.raises(LorarlError, match=why):
             runner.launch(*args)
-    assert sorted(p.name for p in runs.iterdir()) == before and runner.live() is None
+    assert sorted(p.name for p in runs.iterdir()) == sorted(before) and runner.live() is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -704,6 +705,57 @@ def test_stop_right_after_launch_then_relaunch_and_resume_with_relative_paths(tm
     assert wait_done(runner, run) == 0, (run / jobs.LOG_FILE).read_text()[-2000:]
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
     assert f"train {rdir / 'rel.yaml'} --out {run} --resume" in (run / jobs.LOG_FILE).read_text()
+
+
+def test_two_apps_launching_at_the_same_moment_start_one_run(tmp_path, tiny_model_dir):
+    """Two runners on one runs folder (two app processes, say) launching at once: the launch lock and the pid the
+    launcher writes the moment its child starts let exactly one through; the other is refused naming it."""
+    import threading
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    runners = {"a1": jobs.JobRunner(runs, [SHIPPED]), "a2": jobs.JobRunner(runs, [SHIPPED])}
+    gate, results = threading.Barrier(2), {}
+
+    def go(name: str) -> None:
+        gate.wait()
+        try:
+            results[name] = runners[name].launch(str(QUICKSTART), name, grpo_overrides(tiny_model_dir))
+        except LorarlError as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=go, args=(n,)) for n in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    started = [n for n, r in results.items() if isinstance(r, Path)]
+    refused = [n for n, r in results.items() if isinstance(r, LorarlError)]
+    assert len(started) == 1 and len(refused) == 1, results
+    assert f"run {started[0]} is training now" in str(results[refused[0]])
+    assert not (runs / refused[0]).exists()
+    run, runner = results[started[0]], runners[started[0]]
+    assert live_pid(run) == runner._procs[run].pid  # live before the child has loaded anything
+    assert "had not started training yet" in runner.stop(started[0])
+    assert runner.returncode(run) is not None and live_pid(run) is None and not (run / "train.pid").exists()
+    assert jobs.is_unstarted(run)  # the name may be launched again
+
+
+def test_a_run_killed_while_loading_shows_as_failed_with_its_log(tmp_path, tiny_model_dir):
+    """Killed before it wrote any state (the OOM killer while the model loads, say): no error line, no state.json,
+    yet Watch says failed, why it cannot tell more, and shows the log's last lines; the name may be launched again."""
+    import signal
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    runner = jobs.JobRunner(runs, [SHIPPED])
+    run = runner.launch(str(QUICKSTART), "killed", grpo_overrides(tiny_model_dir))
+    os.kill(runner._procs[run].pid, signal.SIGKILL)
+    assert wait_done(runner, run) == -signal.SIGKILL
+    v = watch.RunWatch(run).poll()
+    assert v.state == "failed" and v.error == watch.ENDED_EARLY and v.crash_lines
+    assert v.crash_lines[0].split("$ ", 1)[1].split()[1:4] == ["-m", "lorarl.cli", "train"]
+    assert jobs.is_unstarted(run)
 
 
 def test_an_export_that_fails_unexpectedly_gives_one_line(tmp_path, monkeypatch):

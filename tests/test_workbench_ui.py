@@ -416,7 +416,7 @@ def test_the_reward_model_retrain_starts_a_fresh_adapter_and_says_so(wb, monkeyp
 
     def launch(recipe, name, overrides):
         launched.append((Path(recipe).name, overrides))
-        (wb.runs_dir / name).mkdir()
+        (wb.runs_dir / name).mkdir(exist_ok=True)  # (holds the votes' copy already, as for the real launch)
         (wb.runs_dir / name / "train.log").touch()
         return wb.runs_dir / name
 

@@ -20,7 +20,7 @@ from lorarl import runstate
 from lorarl.app import exporting, jobs, recipes, retrain, watch
 from lorarl.app.layout import MAX_FIELDS, PLOTS, WorkbenchWidgets, base_note, build_workbench
 from lorarl.app.memory import MemoryGuard, Work
-from lorarl.app.paths import check_name, checked_run, shipped_recipes_dir
+from lorarl.app.paths import check_run_name, checked_run, shipped_recipes_dir
 from lorarl.chat.catalog import BASE_ID, Catalog
 from lorarl.errors import LorarlError
 
@@ -159,7 +159,7 @@ class Workbench:
             return [*outputs, plan, "**not launched:** a field was refused", *skip_watch]
         try:
             name = (run_name or "").strip()
-            check_name(name)
+            check_run_name(name)
             run_dir, note = self._launch(recipe, name, overrides)
         except LorarlError as e:
             return [*outputs, plan, f"**not launched:** {e}", *skip_watch]

@@ -20,6 +20,8 @@ overrides when they still give the run's saved ``recipe.yaml``, else ``RUNS/NAME
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shlex
 import subprocess
@@ -27,7 +29,7 @@ import sys
 import threading
 from pathlib import Path
 
-from lorarl.app.paths import check_name, checked_recipe, checked_run, is_pipeline_dir, run_label
+from lorarl.app.paths import check_run_name, checked_recipe, checked_run, is_pipeline_dir, run_label
 from lorarl.config import load_recipe, parse_override
 from lorarl.errors import LorarlError
 from lorarl.runs import is_adapter
@@ -43,12 +45,27 @@ from lorarl.runstate import (
     read_state,
     request_stop,
     write_json_atomic,
+    write_pid,
     write_state,
 )
 
+LAUNCH_LOCK = ".launch.lock"
 # override keys that would run code chosen on the page (a tool, an environment, a reward function): refused
 CODE_KEYS = ("agent",)
 FINAL_ADAPTERS = ("policy", "reward")
+
+
+@contextlib.contextmanager
+def launch_lock(runs_dir: Path):
+    """Hold ``RUNS/.launch.lock`` (an exclusive ``flock``) while a launch checks the one-job rule and starts its
+    process: two apps on one runs folder cannot both find it free at the same moment."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with open(runs_dir / LAUNCH_LOCK, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def train_argv(recipe: Path, run_dir: Path, overrides: list[str], resume: bool = False) -> list[str]:
@@ -164,7 +181,8 @@ def is_unstarted(run_dir: Path) -> bool:
     ``stopped`` at step 0 that :meth:`JobRunner.stop` gives such a folder."""
     if not run_dir.exists():
         return True
-    if not run_dir.is_dir() or not all(p.name in (*PRE_RUN_FILES, STATE_FILE) for p in run_dir.iterdir()):
+    allowed = (*PRE_RUN_FILES, STATE_FILE) + ((PID_FILE,) if live_pid(run_dir) is None else ())  # (a dead launch's)
+    if not run_dir.is_dir() or not all(p.name in allowed for p in run_dir.iterdir()):
         return False
     if not (run_dir / STATE_FILE).exists():
         return True
@@ -251,11 +269,11 @@ class JobRunner:
         or that name code, a live run."""
         overrides = list(overrides or [])
         recipe = checked_recipe(recipe_path, self.recipe_dirs, self.runs_dir)
-        check_name(run_name)
+        check_run_name(run_name)
         run_dir = self.runs_dir / run_name
         check_overrides(recipe, overrides)
         load_recipe(recipe, overrides)  # the loader's one line, before any process starts
-        with self._lock:
+        with self._lock, launch_lock(self.runs_dir):
             self._refuse_if_live()
             if not is_unstarted(run_dir):
                 raise LorarlError(f"run {run_name} already exists in {self.runs_dir}; pick another name or resume it")
@@ -271,9 +289,10 @@ class JobRunner:
         Resume starts it (from its launch's recipe) and Launch may reuse the name."""
         run = self._run(run_dir)
         name = self.label(run)
-        if request_stop(run):
-            return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
         proc = self._procs.get(run)
+        loading = proc is not None and proc.poll() is None and not (run / STATE_FILE).exists()
+        if not loading and request_stop(run):
+            return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
         if proc is None or proc.poll() is not None:
             raise LorarlError(f"run {name} is not training; nothing to stop")
         proc.terminate()
@@ -281,6 +300,8 @@ class JobRunner:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             return f"run {name} had not started training yet; its process was sent SIGTERM and has not exited yet"
+        if live_pid(run) is None:
+            (run / PID_FILE).unlink(missing_ok=True)  # the pid this runner wrote for the child
         if not (run / STATE_FILE).exists() and (run / LAUNCH_FILE).exists():
             write_state(run, "stopped", 0, self._planned_steps(run))
         return f"run {name} had not started training yet; its process was terminated (nothing to save)"
@@ -297,7 +318,7 @@ class JobRunner:
         """``lorarl train RECIPE --out RUN --resume [overrides]`` (:func:`resume_source`): continue from the newest
         complete checkpoint. Refused while any run is live, and when :func:`resume_refusal` says why not."""
         run = self._run(run_dir)
-        with self._lock:
+        with self._lock, launch_lock(self.runs_dir):
             self._refuse_if_live()
             why = resume_refusal(run)
             if why:
@@ -325,5 +346,7 @@ class JobRunner:
                 close_fds=True,
             )
         self._procs[run_dir] = proc
+        # live from now on for every runner on this folder (another app too), not only once the child has loaded
+        write_pid(run_dir, argv, pid=proc.pid)
         threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()  # no zombie left behind
         return run_dir

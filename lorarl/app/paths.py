@@ -43,6 +43,14 @@ def check_name(name: str, what: str = "run name") -> str:
     return name
 
 
+def check_run_name(name: str) -> str:
+    """A new run's name: a plain folder name (:func:`check_name`) that is not the exports folder ``exports``."""
+    check_name(name)
+    if name == EXPORTS:
+        raise LorarlError(f"run name {name!r} is taken: RUNS/{EXPORTS}/ holds the page's exports; pick another")
+    return name
+
+
 def _abs(path: Path) -> Path:
     """``path`` made absolute without following symlinks."""
     return Path(os.path.abspath(path))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from lorarl.app.jobs import is_unstarted
-from lorarl.app.paths import check_name, is_inside, shipped_recipes_dir
+from lorarl.app.paths import check_run_name, is_inside, shipped_recipes_dir
 from lorarl.chat.votes import PREFERENCES_FILE, ties_path
 from lorarl.config import load_recipe, yaml_load
 from lorarl.errors import LorarlError
@@ -204,7 +204,7 @@ def launch_retrain(
     recipe folders); the run is named ``KIND-votes-YYYYMMDD-HHMMSS`` unless ``run_name`` is given. ``launch(recipe,
     name, overrides)`` starts it (default ``runner.launch``; the workbench passes its memory-guarded launch)."""
     name = run_name or f"{kind.replace('_', '-')}-votes-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    check_name(name)
+    check_run_name(name)
     run_dir = Path(runner.runs_dir) / name
     if not is_unstarted(run_dir):
         raise LorarlError(f"run {name} already exists in {runner.runs_dir}; pick another name or resume it")

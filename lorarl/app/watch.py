@@ -27,7 +27,7 @@ from lorarl.app.paths import EXPORTS, is_pipeline_dir
 from lorarl.app.timeleft import eta_seconds, evaluation_per_step
 from lorarl.errors import LorarlError
 from lorarl.runs import is_adapter
-from lorarl.runstate import COMPLETIONS_FILE, live_pid, read_state
+from lorarl.runstate import COMPLETIONS_FILE, PID_FILE, live_pid, read_state
 
 METRICS_FILE = "metrics.jsonl"
 # curve label -> the metric keys that feed it, first present wins (GRPO / PPO / DPO / reward model / SFT)
@@ -43,6 +43,7 @@ RECENT = 20  # completions and log lines kept for the page
 HEALTH_MARK = "health:"
 HEALTH_KEY = "health/warning"  # a metrics row's new warnings, " | "-joined (lorarl.health.HealthMonitor.check)
 ERROR_MARK = "lorarl: error:"
+ENDED_EARLY = "the process ended before training started, without an error line (killed? out of memory? a traceback?)"
 UNREADABLE = "unreadable"  # the state of a folder whose state file cannot be read
 RESUMABLE = ("new", "stopped", "crashed", "failed")  # states Resume may continue (resume_refusal has the last word)
 _STEP = re.compile(r"^step (\d+): ")
@@ -210,7 +211,8 @@ def _recipe_steps(run_dir: Path) -> int | None:
 
 def run_state(run_dir: Path, log_lines: list[str] | None = None) -> tuple[str, str | None, dict]:
     """``(state, error, state.json)``: :func:`lorarl.runstate.read_state`, with ``new`` refined: ``starting`` (a live
-    process, no state yet), ``failed`` (train.log ends with the CLI's error line), ``finished`` (final adapters of a
+    process, no state yet), ``failed`` (train.log ends with the CLI's error line, or the process that was started
+    for the run -- its ``train.pid`` is left -- is gone before it wrote a state), ``finished`` (final adapters of a
     run from before state.json); ``unreadable`` with the reason when state.json cannot be read."""
     try:
         st = read_state(run_dir)
@@ -226,6 +228,8 @@ def run_state(run_dir: Path, log_lines: list[str] | None = None) -> tuple[str, s
         return "failed", errors[-1][len(ERROR_MARK) :].strip(), st
     if any(is_adapter(run_dir / role) for role in FINAL_ADAPTERS):
         return "finished", None, st
+    if (run_dir / PID_FILE).exists():  # a process was started for it and is gone: no state, no error line
+        return "failed", ENDED_EARLY, st
     return "new", None, st
 
 
