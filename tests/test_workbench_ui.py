@@ -222,12 +222,16 @@ def test_cpu_starts_everything_as_given(tmp_path):
     assert out == ["train.steps=2"] and adm.note == ""
 
 
-def test_planned_picks_an_auto_micro_batch_and_refuses_what_it_does_not_model():
+def test_planned_picks_an_auto_micro_batch_and_refuses_what_it_does_not_model(tmp_path):
     auto = planned(QUICKSTART, ["train.micro_batch_size=auto"], 24.0)
     assert isinstance(auto.micro_batch, int) and auto.micro_batch >= 1 and auto.peak > 0
     assert planned(QUICKSTART, [], 24.0).micro_batch is None  # the recipe gives a number
-    with pytest.raises(LorarlError, match="not reward_model"):
-        planned(REPO / "recipes" / "reward_model.yaml", [], 24.0)
+    rm = planned(REPO / "recipes" / "reward_model.yaml", [], 24.0)  # the reward model's own step (no generation)
+    assert rm.peak > 0 and rm.micro_batch is None
+    rs = tmp_path / "rs.yaml"
+    rs.write_text("algo: rejection_sampling\nrejection_sampling: {group_size: 4}\n")
+    with pytest.raises(LorarlError, match="not rejection_sampling"):  # generation only: not modelled
+        planned(rs, [], 24.0)
 
 
 def test_planned_peak_grows_with_the_group_size():

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
+from lorarl.plan.estimate import PLANNED_ALGOS  # the steps the planner models; others: no estimate (chat paused)
 
 GB = 1e9  # the planner's unit (lorarl.plan.terms.GB)
-PLANNED_ALGOS = ("grpo", "ppo", "dpo")  # the algorithms the planner models (others would be modelled as GRPO)
 
 
 @dataclass(frozen=True)

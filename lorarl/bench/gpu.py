@@ -64,6 +64,7 @@ def full_settings() -> dict[str, dict]:
         "grpo-vs-trl": {"model": "smollm2-135m", "steps": 6, "engine": "fast"},
         "plan": {
             "argv": ["--models", "qwen2.5-1.5b,llama-3.1-8b", "--engine", "fast", "--jobs", "1", "--timeout", "280"]
+            + ["--algos", "grpo,ppo,reward_model,sft"]
         },
         "deterministic": {
             "recipe": QUICKSTART,

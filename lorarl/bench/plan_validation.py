@@ -1,4 +1,5 @@
-"""Validate the memory planner (lorarl.plan) against measured peaks: one GRPO step and one PPO step per model.
+"""Validate the memory planner (lorarl.plan) against measured peaks: one GRPO step and one PPO step per model (and,
+with ``--algos``, a reward-model step and an SFT step on rows of exactly ``--prompt-len + --max-new-tokens`` ids).
 
 For each model of ``--models`` (default: qwen2.5-0.5b, qwen2.5-1.5b, llama-3.1-8b, qwen2.5-7b, mistral-7b) a fresh
 worker process builds a **random-init** model with the published shape (``lorarl.plan.KNOWN_CONFIGS``; nothing is
@@ -110,45 +111,53 @@ def validation_recipe(args, algo: str, work: Path, vocab: int):
     random ids (:func:`lorarl.bench.synthetic.write_id_prompts`: lengths in [P/2, P], the longest P, exactly one
     step's worth so every step takes them all), GRPO scored by a hashed reward (a spread, so every row trains),
     PPO by a frozen reward adapter with random weights; one epoch over one minibatch for PPO."""
-    from lorarl.bench.synthetic import HASHED_REWARD, write_id_prompts
+    from lorarl.bench.synthetic import HASHED_REWARD, write_id_prompts, write_id_rows
     from lorarl.config import recipe_from_dict
 
-    n = args.prompts if algo == "grpo" else args.ppo_prompts
-    data = write_id_prompts(work / f"{algo}-prompts.jsonl", n, args.prompt_len, vocab)
+    n = {"grpo": args.prompts, "ppo": args.ppo_prompts}.get(algo, args.supervised_rows)
     lora = {"r": args.lora_r, "alpha": 2.0 * args.lora_r, "target_modules": "all-linear"}
+    reward = {"functions": [{"name": HASHED_REWARD}]}
+    T = args.prompt_len + args.max_new_tokens
+    if algo in ("reward_model", "sft"):  # rows of exactly T ids (the response's last one: the EOS the loader adds)
+        kind = "pairs" if algo == "reward_model" else "sft"
+        data = write_id_rows(work / f"{algo}-rows.jsonl", n, args.prompt_len, args.max_new_tokens - 1, vocab, kind)
+        section = {"batch_size": n, "max_length": T}
+        if algo == "reward_model":
+            section["max_tokens_per_forward"] = args.max_tokens_per_forward
+    else:
+        data = write_id_prompts(work / f"{algo}-prompts.jsonl", n, args.prompt_len, vocab)
     if algo == "grpo":
         section = {"group_size": args.group_size, "num_iterations": 1, "kl": {"coef": args.kl_coef}}
-        reward = {"functions": [{"name": HASHED_REWARD}]}
-    else:
+    elif algo == "ppo":
         section = {"epochs": 1, "minibatch_size": n, "kl": {"coef": 0.05}, "critic": {"lora": lora}}
         reward = {"source": "reward_model", "adapter": str(work / "reward")}
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    return recipe_from_dict(
-        {
-            "algo": algo,
-            "model": {
-                "name": str(work / "model"),
-                "quantization": args.quantization,
-                "dtype": dtype,
-                "gradient_checkpointing": True,
-                "logprob_chunk_size": args.chunk,
-            },
-            "lora": lora,
-            "data": {"source": str(data), "max_prompt_tokens": max(512, args.prompt_len)},
-            "reward": reward,
-            "generation": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "engine": args.engine},
-            "train": {
-                "steps": args.steps,
-                "prompts_per_step": n,
-                "micro_batch_size": args.micro_batch,
-                "learning_rate": 1e-5,
-                "seed": 0,
-            },
-            "eval": {"batch_size": 32},  # rows per no-grad reward-model / critic pass
-            algo: section,
+    d = {
+        "algo": algo,
+        "model": {
+            "name": str(work / "model"),
+            "quantization": args.quantization,
+            "dtype": dtype,
+            "gradient_checkpointing": True,
+            "logprob_chunk_size": args.chunk,
         },
-        where=f"<validate_plan_gpu {algo}>",
-    )
+        "lora": lora,
+        "data": {"source": str(data), "max_prompt_tokens": max(512, args.prompt_len), "eval_size": 1},
+        "reward": reward,
+        "generation": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "engine": args.engine},
+        "train": {
+            "steps": args.steps,
+            "prompts_per_step": n,
+            "micro_batch_size": args.micro_batch,
+            "learning_rate": 1e-5,
+            "seed": 0,
+        },
+        "eval": {"batch_size": 32},  # rows per no-grad reward-model / critic pass
+        algo: section,
+    }
+    if algo == "reward_model":  # (sections a reward-model recipe does not read)
+        del d["reward"], d["generation"]
+    return recipe_from_dict(d, where=f"<validate_plan_gpu {algo}>")
 
 
 def warm_optimizers(optimizers) -> None:
@@ -188,7 +197,8 @@ def measure_algo(args, algo: str, d: dict, work: Path) -> tuple[dict, dict]:
         meter = PhasePeaks(shared.device, lambda: tensor_bytes([shared], trainer.optimizers.values()))
         metrics, seconds = run_step(trainer, step, meter)
         log(
-            f"[{args.worker}] {algo} step {step}: {seconds:.1f}s, completion {metrics['completions/mean_length']:.0f} tokens, "
+            f"[{args.worker}] {algo} step {step}: {seconds:.1f}s, "
+            f"completion {metrics.get('completions/mean_length', args.max_new_tokens):.0f} tokens, "
             "peaks " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in meter.peaks.items())
         )
     measured = {
@@ -197,8 +207,10 @@ def measure_algo(args, algo: str, d: dict, work: Path) -> tuple[dict, dict]:
         "step_peak": meter.step_peak,
         "allocated_before": meter.first_allocated,
         "seconds": round(seconds, 2),
-        "rows": args.prompts * args.group_size if algo == "grpo" else args.ppo_prompts,
-        "completion_len": metrics["completions/mean_length"],
+        "rows": {"grpo": args.prompts * args.group_size, "ppo": args.ppo_prompts}.get(
+            algo, args.supervised_rows * (2 if algo == "reward_model" else 1)
+        ),
+        "completion_len": metrics.get("completions/mean_length", args.max_new_tokens),
         "P": args.prompt_len,
     }
     extra = {
@@ -230,6 +242,14 @@ def plan_settings(args, algo: str, recipe):
     if algo == "grpo":
         return PlanSettings(
             algo="grpo", group_size=args.group_size, prompts_per_step=args.prompts, kl_coef=args.kl_coef, **common
+        )
+    if algo in ("reward_model", "sft"):
+        return PlanSettings(
+            algo=algo,
+            group_size=1,
+            prompts_per_step=args.supervised_rows,
+            max_tokens_per_forward=args.max_tokens_per_forward if algo == "reward_model" else 0,
+            **common,
         )
     return PlanSettings(algo="ppo", group_size=1, prompts_per_step=args.ppo_prompts, **common)
 
@@ -441,7 +461,11 @@ def parse_args(argv=None):
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--kl-coef", type=float, default=0.04, help="GRPO: > 0 runs (and measures) the reference pass")
     p.add_argument("--steps", type=int, default=1, help="steps per algorithm; the last is measured")
-    p.add_argument("--algos", default="grpo,ppo")
+    p.add_argument("--algos", default="grpo,ppo", help="comma-separated: grpo, ppo, reward_model, sft")
+    p.add_argument(
+        "--supervised-rows", type=int, default=8, help="reward model: pairs per step; SFT: examples per step"
+    )
+    p.add_argument("--max-tokens-per-forward", type=int, default=1024, help="reward_model.max_tokens_per_forward")
     p.add_argument("--engine", default="hf", choices=["hf", "fast"], help="generation.engine of the measured steps")
     p.add_argument("--timeout", type=int, default=240, help="seconds per model (both algorithms)")
     p.add_argument(

@@ -148,6 +148,29 @@ def write_id_prompts(path: Path, n: int, prompt_len: int, vocab: int, seed: int 
     return path
 
 
+def write_id_rows(path: Path, n: int, prompt_len: int, response_len: int, vocab: int, kind: str, seed: int = 1) -> Path:
+    """``n`` rows of random ids in ``[3, vocab)`` for :class:`IdTokenizer`, every one exactly ``prompt_len`` +
+    ``response_len`` ids (the loaders add the end-of-turn EOS): ``kind`` ``pairs`` (TRL's ``prompt`` / ``chosen`` /
+    ``rejected``, the two responses different) or ``sft`` (``prompt`` / ``completion``). Every row at the planner's
+    length, so a measured step and its plan see the same shapes."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(k: int) -> str:
+        return " ".join(map(str, torch.randint(3, vocab, (k,), generator=gen).tolist()))
+
+    rows = []
+    for _ in range(n):
+        row = {"prompt": ids(prompt_len)}
+        if kind == "pairs":
+            row.update(chosen=ids(response_len), rejected=ids(response_len))
+        else:
+            row["completion"] = ids(response_len)
+        rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
 def hashed_reward(prompts: list, completions: list, **kwargs) -> list[float]:
     """A reward in [0, 1) that depends only on the completion's text (a hash): spread, reproducible, meaningless."""
     return [int.from_bytes(hashlib.sha256(str(c).encode()).digest()[:4], "big") / 2**32 for c in completions]

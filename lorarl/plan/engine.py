@@ -31,6 +31,8 @@ from lorarl.plan.terms import (
     static_kv_cache_bytes,
 )
 
+NO_ROLLOUTS = ("dpo", "reward_model", "sft")  # steps that sample nothing (their evaluation may decode)
+
 if TYPE_CHECKING:
     from lorarl.plan.estimate import Moments, PlanSettings, StepSizes
 
@@ -78,7 +80,7 @@ def eval_state_size(s: PlanSettings, z: StepSizes) -> tuple[int, int] | None:
         return None
     new_tokens = s.eval_max_new_tokens or z.new_tokens
     cols = static_cache_columns(z.prompt_len, new_tokens, GRAPH_BUCKET)
-    if s.algo == "dpo":  # no rollouts: the evaluation's is the only decode state
+    if s.algo in NO_ROLLOUTS:  # the evaluation's is the only decode state
         return s.eval_batch_size, cols
     train_cols = static_cache_columns(z.prompt_len, z.new_tokens, GRAPH_BUCKET)
     if s.eval_batch_size == z.generation_rows and cols <= train_cols and new_tokens <= z.new_tokens:
@@ -95,7 +97,7 @@ def fast_persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> d
     capture reuses the blocks an earlier one freed), is the larger of their decode steps."""
     if not uses_graphs(s):
         return {}
-    terms = fast_static_terms(shape, s, z) if s.algo != "dpo" else {"graph_pool": 0}  # DPO runs no rollouts
+    terms = fast_static_terms(shape, s, z) if s.algo not in NO_ROLLOUTS else {"graph_pool": 0}
     size = eval_state_size(s, z)
     if size is not None:
         rows, cols = size

@@ -15,6 +15,7 @@ from lorarl.errors import LorarlError
 from lorarl.plan.engine import fast_generation_moments, fast_persistent_terms
 from lorarl.plan.judge import judge_persistent_terms, judging_moments
 from lorarl.plan.shapes import ModelShape
+from lorarl.plan.supervised import SUPERVISED, supervised_training_moments
 from lorarl.plan.terms import (
     CUBLAS_WORKSPACE_BYTES,
     base_weight_bytes,
@@ -37,6 +38,7 @@ from lorarl.plan.terms import (
     value_head_input_bytes,
 )
 
+PLANNED_ALGOS = ("grpo", "ppo", "dpo", "reward_model", "sft")  # the steps the planner models
 Moment = dict[str, float]  # the terms alive at the same time, by name
 Moments = dict[str, Moment]  # a phase's moments, by name
 
@@ -45,7 +47,9 @@ Moments = dict[str, Moment]  # a phase's moments, by name
 class PlanSettings:
     """What one step looks like (the recipe numbers the planner reads)."""
 
-    algo: str = "grpo"  # grpo | ppo | dpo (lorarl.plan.dpo: prompts_per_step / micro_batch_size count pairs)
+    # grpo | ppo | dpo | reward_model | sft (lorarl.plan.dpo, lorarl.plan.supervised: for dpo and reward_model
+    # prompts_per_step / micro_batch_size count pairs, for sft examples)
+    algo: str = "grpo"
     quantization: str = "nf4"  # nf4 | none
     double_quant: bool = True
     dtype_bytes: int = 2  # compute dtype: 2 (bf16 / fp16) or 4 (fp32)
@@ -81,8 +85,8 @@ class PlanSettings:
     # CUDA graphs its decode state is kept beside the training one (lorarl.plan.engine)
     eval_batch_size: int = 0
     eval_max_new_tokens: int | None = None
-    # dpo: padded tokens per length-sorted forward (dpo.max_tokens_per_forward; 0: one forward per micro-batch),
-    # and whether a reference pass runs (every loss type but simpo)
+    # dpo / reward_model: padded tokens per length-sorted forward (dpo. / reward_model.max_tokens_per_forward; 0: one
+    # forward per micro-batch), and whether a reference pass runs (dpo: every loss type but simpo)
     max_tokens_per_forward: int = 0
     dpo_reference: bool = True
     judge: str = "none"  # an LLM-judge reward (lorarl.plan.judge): none | base | adapter | folder
@@ -92,13 +96,15 @@ class PlanSettings:
 
     @property
     def rows(self) -> int:
-        """Completions per step (DPO: a chosen and a rejected response per pair)."""
-        return self.prompts_per_step * (self.group_size if self.algo == "grpo" else 2 if self.algo == "dpo" else 1)
+        """Completions per step (DPO, reward model: a chosen and a rejected response per pair; SFT: examples)."""
+        per = self.group_size if self.algo == "grpo" else 2 if self.algo in ("dpo", "reward_model") else 1
+        return self.prompts_per_step * per
 
     @property
     def split_rows(self) -> int:
-        """The rows micro-batches split: the whole step for GRPO, a minibatch for PPO, the step's pairs for DPO."""
-        if self.algo == "dpo":
+        """The rows micro-batches split: the whole step for GRPO, a minibatch for PPO, the step's pairs for DPO and
+        the reward model, its examples for SFT."""
+        if self.algo in ("dpo", "reward_model", "sft"):
             return self.prompts_per_step
         return self.rows if self.algo == "grpo" else min(self.rows, self.minibatch_size or self.rows)
 
@@ -148,7 +154,8 @@ def step_sizes(shape: ModelShape, s: PlanSettings) -> StepSizes:
         generation_rows=gen_b,
         scoring_rows=min(s.scoring_batch_size or gen_b, rows),
         micro_batch=min(s.micro_batch_size, s.split_rows),
-        n_policy=lora_params(shape, s.lora_r, targets),
+        # the trained adapter (the reward model's with its score head)
+        n_policy=lora_params(shape, s.lora_r, targets) + (head_params(shape) if s.algo == "reward_model" else 0),
         n_critic=n_critic,
         dequantized=dequantized_weight_bytes(shape, s.quantization, s.dtype_bytes),
         kv_per_token=kv_bytes_per_token(shape, s.dtype_bytes),
@@ -162,7 +169,7 @@ def persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[s
     value head, the frozen reward adapter + score head, a frozen reference adapter), the AdamW states of the
     trainable parameters (``8`` bytes each) and the cuBLAS workspace (CUDA only)."""
     persistent: dict[str, float] = dict(base_weight_bytes(shape, s.quantization, z.dt, s.double_quant))
-    persistent["lora_policy"] = 4 * z.n_policy
+    persistent["lora_reward_and_head" if s.algo == "reward_model" else "lora_policy"] = 4 * z.n_policy
     if s.algo == "ppo":
         persistent["lora_critic_and_head"] = 4 * z.n_critic
         if s.reward_model:
@@ -337,7 +344,10 @@ def peak_moment(moments: Moments) -> tuple[str, Moment]:
 
 def phase_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[str, Moments]:
     """Every phase's moments in the order a step runs them (``critic_training`` for PPO only; DPO:
-    ``reference``, ``training``, ``optimizer``, :mod:`lorarl.plan.dpo`)."""
+    ``reference``, ``training``, ``optimizer``, :mod:`lorarl.plan.dpo`; the reward model and SFT: ``training``,
+    ``optimizer``, :mod:`lorarl.plan.supervised`)."""
+    if s.algo in SUPERVISED:
+        return {"training": supervised_training_moments(shape, s, z), "optimizer": optimizer_moments(z)}
     if s.algo == "dpo":
         from lorarl.plan.dpo import dpo_reference_moments, dpo_training_moments
 
@@ -395,8 +405,8 @@ def estimate_memory(shape: ModelShape, settings: PlanSettings | None = None, **o
     A phase's bytes are the persistent terms plus that phase's terms at its peak moment.
     """
     s = plan_settings(settings, **overrides)
-    if s.algo not in ("grpo", "ppo", "dpo"):
-        raise LorarlError(f"plan: algo must be grpo, ppo or dpo, got {s.algo!r}")
+    if s.algo not in PLANNED_ALGOS:
+        raise LorarlError(f"plan: algo must be one of {', '.join(PLANNED_ALGOS)}, got {s.algo!r}")
     z = step_sizes(shape, s)
     phases, breakdown, moments = phase_peaks(persistent_terms(shape, s, z), phase_moments(shape, s, z))
     peak_phase = max(phases, key=phases.get)

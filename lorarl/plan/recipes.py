@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config import GRPOConfig, PPOConfig
-from lorarl.config.algorithms import DPOConfig
+from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import pick_micro_batch
-from lorarl.plan.estimate import PlanSettings, estimate_memory
+from lorarl.plan.estimate import PLANNED_ALGOS, PlanSettings, estimate_memory
 from lorarl.plan.judge import judge_settings
 from lorarl.plan.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
 from lorarl.plan.terms import GB
@@ -34,12 +34,15 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
     if recipe.data.source == "arithmetic":
         prompt_len = min(prompt_len, ARITHMETIC_PROMPT_TOKENS)
     mb = recipe.train.micro_batch_size
-    algo = recipe.algo if recipe.algo in ("grpo", "ppo", "dpo") else "grpo"
+    # (rejection sampling, generation only, is planned as a GRPO step of its shape: an upper bound)
+    algo = recipe.algo if recipe.algo in PLANNED_ALGOS else "grpo"
     g = recipe.generation
     grpo = recipe.grpo if recipe.grpo is not None else GRPOConfig()
     ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
     if algo == "dpo":
         return dpo_settings(recipe, device_type, quant, dtype_bytes)
+    if algo in ("reward_model", "sft"):
+        return supervised_settings(recipe, device_type, quant, dtype_bytes)
     return PlanSettings(
         algo=algo,
         quantization=quant,
@@ -100,6 +103,40 @@ def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> Plan
         eval_max_new_tokens=recipe.eval.max_new_tokens or recipe.generation.max_new_tokens,
         max_tokens_per_forward=d.max_tokens_per_forward,
         dpo_reference=d.loss_type != "simpo",
+    )
+
+
+def supervised_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> PlanSettings:
+    """A reward-model or SFT recipe (:mod:`lorarl.plan.supervised`): ``reward_model.batch_size`` pairs /
+    ``sft.batch_size`` examples per step, ``train.micro_batch_size`` of them per micro-batch, rows of ``max_length``
+    tokens (the longest the loader keeps) split into a prompt of ``min(data.max_prompt_tokens, max_length // 2)``
+    tokens and the response; SFT's held-out evaluation (``eval.every``) decodes ``eval.max_new_tokens`` (else
+    ``generation.max_new_tokens``), the reward model's scores pairs without generating."""
+    m, algo = recipe.model, recipe.algo
+    section = getattr(recipe, algo) or (RewardModelConfig() if algo == "reward_model" else SFTConfig())
+    prompt_len = min(recipe.data.max_prompt_tokens, section.max_length // 2)
+    mb = recipe.train.micro_batch_size
+    evaluates = algo == "sft" and recipe.eval.every > 0
+    return PlanSettings(
+        algo=algo,
+        quantization=quant,
+        dtype_bytes=dtype_bytes,
+        lora_r=recipe.lora.r,
+        lora_targets=recipe.lora.target_modules,
+        group_size=1,
+        prompts_per_step=section.batch_size,
+        prompt_len=prompt_len,
+        max_new_tokens=section.max_length - prompt_len,
+        micro_batch_size=mb if isinstance(mb, int) else 1,
+        logprob_chunk_size=m.logprob_chunk_size,
+        gradient_checkpointing=m.gradient_checkpointing,
+        device=device_type,
+        engine=recipe.generation.engine,
+        cuda_graphs=recipe.generation.cuda_graphs,
+        eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if evaluates else 0,
+        eval_max_new_tokens=recipe.eval.max_new_tokens or recipe.generation.max_new_tokens,
+        max_tokens_per_forward=section.max_tokens_per_forward if algo == "reward_model" else 0,
+        dpo_reference=False,
     )
 
 
@@ -167,11 +204,11 @@ def format_plan(result: dict[str, Any]) -> str:
     lines = [
         f"plan for {result['recipe']} on {result['model']} (budget {result['budget_gb']:g} GB)",
         f"  micro-batch: {result['micro_batch_size']} as written, {result['picked_micro_batch_size']} picked; "
-        + (
-            "DPO: micro-batches count pairs, no generation"
-            if result["settings"].get("algo") == "dpo"
-            else f"generation batch picked: {result['picked_generation_batch_size']}"
-        ),
+        + {
+            "dpo": "DPO: micro-batches count pairs, no generation",
+            "reward_model": "reward model: micro-batches count pairs, no generation",
+            "sft": "SFT: micro-batches count examples, no generation",
+        }.get(result["settings"].get("algo"), f"generation batch picked: {result['picked_generation_batch_size']}"),
     ]
     for phase, gb in result["phases_gb"].items():
         terms = result["breakdown_gb"].get(phase, {})
@@ -195,10 +232,10 @@ def decode_engine_line(result: dict[str, Any]) -> str:
     if s.get("engine") != "fast":
         return "  decode engine: hf (transformers' generate; its KV cache grows during generation)"
     persistent = result["breakdown_gb"]["persistent"]
-    if s.get("algo") == "dpo":
+    if s.get("algo") in ("dpo", "reward_model", "sft"):
         ev = persistent.get("eval_static_kv_cache")
         if ev is None:
-            return "  decode engine: fast (DPO decodes only for its held-out task evaluation, after the step)"
+            return "  decode engine: fast (this step samples nothing; only a held-out task evaluation decodes)"
         return (
             f"  decode engine: fast, CUDA graphs: held-out evaluation's static KV cache {ev:.2f} GB + graph pool "
             f"{persistent['graph_pool']:.2f} GB, held between evaluations (in every phase above)"
