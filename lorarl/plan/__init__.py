@@ -75,7 +75,7 @@ Training (``B = micro_batch_size``, gradient checkpointing on): LoRA gradients +
 layer's input, ``L tokens H dt``) + ``max`` of:
 
 * **a chunk of logits**, recomputed in backward: ``B c V (dt + 18)`` (bf16 logits, the fp32 copy kept for
-  logsumexp, exp, softmax for the entropy the loops log, the gradient and the gather's scatter buffer; ``dt + 12``
+  logsumexp, exp, softmax for the entropy the loops log, the gradient and the gather's scatter buffer; ``dt + 16``
   without entropy) + the last hidden state and its norm ``tokens H (2 dt + 4)`` + the loss's per-token fp32
   terms ``12 x 4 B C``;
 * **one layer recomputed** with its backward: ``tokens x`` :func:`layer_train_bytes_per_token` (``48 H + 10 I``
