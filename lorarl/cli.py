@@ -87,7 +87,11 @@ def cmd_train(args) -> int:
             )
         import shutil
 
-        shutil.rmtree(out)
+        from lorarl.runstate import VOTES_FILE, VOTES_TIES_FILE
+
+        for p in out.iterdir():  # (a retrain's copy of the votes is its data: kept)
+            if p.name not in (VOTES_FILE, VOTES_TIES_FILE):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     from lorarl.algos.loop import train
 
     result = train(recipe, str(out), resume=args.resume, max_steps=args.max_steps)

@@ -75,6 +75,23 @@ class AsyncCounter:
         return float(self.count == self.target)
 
 
+class LoopBound:
+    """An async reset that keeps something bound to the running event loop, used by a later async tool call."""
+
+    async def reset(self, **kwargs):
+        self.loop = asyncio.get_running_loop()
+        self.lock = asyncio.Lock()
+
+    async def touch(self, x: int) -> str:
+        """Use what reset made.
+
+        Args:
+            x: anything
+        """
+        async with self.lock:
+            return "same loop" if asyncio.get_running_loop() is self.loop else "another loop"
+
+
 class NoReward:
     """An environment without get_reward."""
 
@@ -118,6 +135,14 @@ def test_async_environment_methods_and_get_reward(module_file):
     assert s.reward() == 0.0  # awaited, not a coroutine turned into NaN
     assert call_tool(tools, "increment", {"by": 1}, timeout_s=5).text == "3"
     assert s.reward() == 1.0
+
+
+def test_an_environments_async_calls_share_one_event_loop(module_file):
+    s = EnvironmentSession(load_environment(f"{module_file}:LoopBound"), {"prompt": "p"})
+    assert s.reset_error is None
+    tools = {t.name: t for t in s.tools}
+    for _ in range(2):
+        assert call_tool(tools, "touch", {"x": 1}, timeout_s=5).text == "same loop"
 
 
 def _meeting_tools(workers: int):

@@ -453,7 +453,8 @@ def test_retrain_dpo_and_reward_model_on_votes(grpo_run, tiny_model_dir):
     runner, runs = grpo_run["runner"], grpo_run["runs"]
     votes = runs / "preferences.jsonl"
     with pytest.raises(LorarlError, match="nothing to train on"):
-        retrain.launch_retrain(runner, "dpo", "base")
+        retrain.launch_retrain(runner, "dpo", "base", run_name="no-votes")
+    assert not (runs / "no-votes").exists()  # a refusal leaves no folder behind
     for i in range(5):
         q = f"What is {i} + 2?"
         record, _ = preference_record(

@@ -290,11 +290,15 @@ def test_nf4_path_runs_through_real_bitsandbytes(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_nf4_gradients_after_a_rollout_equal_those_before(tiny_model_dir, dtype):
+def test_nf4_gradients_after_a_rollout_equal_those_before(tiny_model_dir, dtype, monkeypatch):
     """A no-grad eval forward (what a rollout runs) must not change how the 4-bit layers train: bitsandbytes would
     otherwise repack them on CPUs with AVX512-BF16 for an inference kernel without a backward
-    (lorarl.model.loading.keep_nf4_trainable)."""
+    (lorarl.model.loading.keep_nf4_trainable). bitsandbytes is told every CPU has AVX512-BF16, so the check bites on
+    any machine."""
     import bitsandbytes as bnb
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
 
     sb = SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="nf4", dtype=dtype))
     linears = [m for m in sb.base.modules() if isinstance(m, bnb.nn.Linear4bit)]

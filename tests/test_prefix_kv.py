@@ -138,3 +138,21 @@ def test_turn_loop_with_kept_kv_gives_the_trajectories_of_the_loop_without(polic
     assert m["agent/kv_reused_tokens"] == sum((p + 3) + (p + 5 + s + 3) for p in prompt_lens)
     # what went through the model: each prompt once for its group (turn 1), then 2 x (2 + s) per row
     assert m["agent/prefill_tokens"] == sum(prompt_lens[::2]) + 4 * 2 * (2 + s)
+
+
+def test_models_whose_keys_depend_on_more_than_the_prefix_are_not_reused():
+    """Sliding-window layers keep only their last columns; dynamic / longrope rotary factors change with the
+    length: for these the turn loop prefills every turn's whole context (agent/kv_reused_tokens stays 0)."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+
+    from lorarl.rollout.prefix_kv import reuse_refusal
+
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert reuse_refusal(LlamaConfig(**small)) is None
+    assert reuse_refusal(MistralConfig(**small, sliding_window=None)) is None
+    assert "DynamicSlidingWindowLayer" in reuse_refusal(MistralConfig(**small, sliding_window=16))
+    assert "DynamicSlidingWindowLayer" in reuse_refusal(Gemma2Config(**small, head_dim=16, sliding_window=16))
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 4.0}
+    assert "longrope" in reuse_refusal(LlamaConfig(**small, rope_scaling=longrope, max_position_embeddings=256))
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    assert "dynamic" in reuse_refusal(LlamaConfig(**small, rope_scaling=dynamic))

@@ -15,7 +15,8 @@ Per step (``N = prompts x group_size`` trajectories, each with its own environme
    ids. With ``agent.reuse_kv`` (the default) the engine keeps every row's keys / values between the calls of the
    rollout and prefills only the ids appended since (the end-of-turn token and the tool message): each row's
    prompt, the group's shared prefix included, and its earlier turns go through the model once
-   (:mod:`lorarl.rollout.prefix_kv`; both engines). Without it every turn prefills the whole context again.
+   (:mod:`lorarl.rollout.prefix_kv`; both engines; not for sliding-window layers or length-dependent rotary
+   scaling, :func:`~lorarl.rollout.prefix_kv.reuse_refusal`). Without it every turn prefills the whole context.
 
 The whole loop runs inside one ``shared.role(role)``: every turn of a step is sampled by the same adapter, in eval
 mode (no dropout), as the trainer will score it. Budgets: at most ``agent.max_tokens_per_turn`` sampled per turn
@@ -40,6 +41,7 @@ from lorarl.model.tokens import pad_left
 from lorarl.phases import phase
 from lorarl.rollout.engines import Engine, make_engine
 from lorarl.rollout.generate import sequence_logprobs
+from lorarl.rollout.prefix_kv import reuse_refusal
 from lorarl.rollout.types import Rollout
 
 
@@ -247,7 +249,7 @@ def agent_rollout(
         tr.ids, tr.model, tr.sampler = list(rest), [False] * len(rest), [0.0] * len(rest)
     stats = AgentStats(trajectories=len(trajs), reset_errors=sum(bool(s and s.reset_error) for s in sessions))
     per_turn = agent.cfg.max_tokens_per_turn or max_new_tokens or generation.max_new_tokens
-    reuse = agent.cfg.reuse_kv and hasattr(engine, "reusing_kv")
+    reuse = agent.cfg.reuse_kv and hasattr(engine, "reusing_kv") and reuse_refusal(shared.decoder().config) is None
     with (
         phase("generation"),
         shared.role(role, train=False),

@@ -17,8 +17,10 @@ import asyncio
 import difflib
 import inspect
 import json
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,7 +170,7 @@ def call_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: floa
         return fail(f"{name}: {why}")
     try:
         if inspect.iscoroutinefunction(tool.fn):  # an async tool (TRL runs them too): awaited under the time limit
-            value = run_coroutine(asyncio.wait_for(tool.fn(**arguments), timeout_s))
+            value = run_coroutine(tool.fn(**arguments), timeout_s)
         else:
             value = call_with_timeout(lambda: resolve_awaitable(tool.fn(**arguments)), timeout_s)
         return ToolResult(name, result_text(value, max_chars))
@@ -179,15 +181,32 @@ def call_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: floa
         return fail(f"{name}: {msg}")
 
 
-def run_coroutine(coro: Any) -> Any:
-    """Run ``coro`` to its end and return its value: ``asyncio.run`` in this thread, or in a helper thread when this
-    thread already runs an event loop (a chat handler, say)."""
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def tools_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every async tool, async environment method and async ``get_reward`` runs on, in a daemon
+    thread started once per process (as TRL runs its async tools): objects an environment's async ``reset`` binds to
+    the loop (an HTTP client session, a lock, a subprocess) still work in its later tool calls."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="lorarl-tools-loop", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
+def run_coroutine(coro: Any, timeout_s: float | None = None) -> Any:
+    """Run ``coro`` on :func:`tools_loop` and return its value; past ``timeout_s`` seconds it is cancelled and
+    ``TimeoutError`` raised."""
+    future = asyncio.run_coroutine_threadsafe(coro, tools_loop())
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return future.result(timeout=timeout_s if timeout_s and timeout_s > 0 else None)
+    except FutureTimeout:
+        future.cancel()
+        raise TimeoutError(f"timed out after {timeout_s:g} s") from None
 
 
 def resolve_awaitable(value: Any) -> Any:
@@ -215,8 +234,10 @@ def call_tools(
 ) -> list[list[ToolResult]]:
     """Every call of one turn: ``rows[r]`` is row ``r``'s calls in the order the model made them. Rows run
     concurrently on up to ``workers`` threads (tools that wait on a process, a sandbox or the network overlap); the
-    calls of one row run one after the other, in order (an environment's calls may depend on each other). Results
-    come back in the same layout; :func:`call_tool` never raises."""
+    calls of one row run one after the other, in order (an environment's calls may depend on each other). With
+    ``workers`` 1 (the default) every call runs in this thread, where a time limit interrupts Python code (SIGALRM);
+    in worker threads a call past its limit is abandoned, not stopped, and tools must be thread-safe. Results come
+    back in the same layout; :func:`call_tool` never raises."""
 
     def run_row(calls: list[PendingCall]) -> list[ToolResult]:
         return [call_tool(c.tools, c.name, c.arguments, timeout_s, max_chars) for c in calls]

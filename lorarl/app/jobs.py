@@ -27,6 +27,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from lorarl.app.paths import check_run_name, checked_recipe, checked_run, is_pipeline_dir, run_label
@@ -225,6 +226,7 @@ class JobRunner:
         self.runs_dir = Path(runs_dir)
         self.recipe_dirs = [Path(d) for d in recipe_dirs]
         self._procs: dict[Path, subprocess.Popen] = {}
+        self._started: dict[Path, float] = {}  # when this runner started each run's current process
         self._lock = threading.Lock()
 
     # ---- who is training -------------------------------------------------------------------------------------
@@ -284,13 +286,20 @@ class JobRunner:
 
     def stop(self, run_dir: str | os.PathLike, wait_s: float = 10.0) -> str:
         """Ask the run to stop after its current step (it saves a checkpoint and exits 0); returns what was done.
-        A process this runner started that has not begun training yet (no ``train.pid``) is terminated; once it
+        A process this runner started that has not begun training yet (it has written no ``state.json`` of its own:
+        it still loads, and SIGTERM would end it before its handler is installed) is terminated; once it
         has exited (waited up to ``wait_s``) a folder without a state file gets state ``stopped`` at step 0, so
         Resume starts it (from its launch's recipe) and Launch may reuse the name."""
         run = self._run(run_dir)
         name = self.label(run)
         proc = self._procs.get(run)
-        loading = proc is not None and proc.poll() is None and not (run / STATE_FILE).exists()
+        # still loading: no state.json yet, or (a resume) only the one from before this process started
+        state_mtime = (run / STATE_FILE).stat().st_mtime if (run / STATE_FILE).exists() else None
+        loading = (
+            proc is not None
+            and proc.poll() is None
+            and (state_mtime is None or state_mtime < self._started.get(run, float("inf")))
+        )
         if not loading and request_stop(run):
             return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
         if proc is None or proc.poll() is not None:
@@ -346,6 +355,7 @@ class JobRunner:
                 close_fds=True,
             )
         self._procs[run_dir] = proc
+        self._started[run_dir] = time.time()
         # live from now on for every runner on this folder (another app too), not only once the child has loaded
         write_pid(run_dir, argv, pid=proc.pid)
         threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()  # no zombie left behind

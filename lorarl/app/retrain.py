@@ -208,17 +208,13 @@ def launch_retrain(
     run_dir = Path(runner.runs_dir) / name
     if not is_unstarted(run_dir):
         raise LorarlError(f"run {name} already exists in {runner.runs_dir}; pick another name or resume it")
+    args = dict(runs_dir=runner.runs_dir, recipe_dirs=runner.recipe_dirs, base_model=base_model)
+    votes = Path(runner.runs_dir) / PREFERENCES_FILE
+    retrain_overrides(kind, votes, start_checkpoint, **args)  # its refusals before anything is written
     created = not run_dir.exists()
-    snapshot = snapshot_votes(Path(runner.runs_dir) / PREFERENCES_FILE, run_dir)
-    recipe, overrides = retrain_overrides(
-        kind,
-        snapshot,
-        start_checkpoint,
-        runs_dir=runner.runs_dir,
-        recipe_dirs=runner.recipe_dirs,
-        base_model=base_model,
-    )
     try:
+        snapshot = snapshot_votes(votes, run_dir)
+        recipe, overrides = retrain_overrides(kind, snapshot, start_checkpoint, **args)
         return (launch or runner.launch)(recipe, name, overrides + list(extra_overrides))
     except BaseException:
         if created and all(p.name in (VOTES_FILE, VOTES_TIES_FILE) for p in run_dir.iterdir()):

@@ -29,7 +29,9 @@ class AgentConfig:
     tool_timeout_s: float = 10.0  # wall-clock limit of one tool call; a call past it is an error told to the model
     max_tool_output_chars: int = 2000  # a longer tool result is cut to this many characters (and says so)
     reuse_kv: bool = True  # turns 2+ prefill only the new tokens (the rows' keys / values kept between turns)
-    tool_workers: int = 8  # rows whose tool calls run at once (each row's calls in order); 1: one call at a time
+    # rows whose tool calls run at once, in threads (each row's calls in order): for thread-safe tools that wait on a
+    # process or the network; 1 (default): one call at a time in the main thread, where a time limit stops it
+    tool_workers: int = 1
 
     def validate(self, where: str) -> None:
         check(bool(self.tools) or bool(self.environment), where, "agent", "needs agent.tools or agent.environment")

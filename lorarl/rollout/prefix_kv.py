@@ -23,7 +23,11 @@ from the kept keys / values. Since ``n_j - S <= m_j``, every cached column of ro
 matched tokens of rows with ``n_j - m_j < S`` are computed again: harmless, and the batch stays one forward).
 
 Memory: the kept keys / values of a call are at most the size of that call's own KV cache; they replace the previous
-call's and are freed when the scope ends.
+call's and are freed when the scope ends. (The memory planner does not model multi-turn rollouts yet.)
+
+Not for every model (:func:`reuse_refusal`): sliding-window layers keep only their last columns, and ``dynamic`` /
+``longrope`` rotary scaling changes its factors with the sequence length; the turn loop then prefills each turn's
+whole context, as ``agent.reuse_kv: false`` does.
 """
 
 from __future__ import annotations
@@ -34,6 +38,28 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary factors chosen from the current sequence length
+
+
+def reuse_refusal(config) -> str | None:
+    """Why keys / values of a model with ``config`` cannot be kept between calls (None when they can): cache layers
+    other than full attention (sliding windows keep only their last columns, so a kept row would miss keys), or a
+    rotary scaling whose factors depend on the sequence length (``dynamic`` / ``longrope``: keys computed at one
+    length differ from those a longer prefill computes)."""
+    from transformers import DynamicCache
+
+    try:
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    except Exception as e:  # noqa: BLE001 - a config transformers builds no cache for
+        return f"no cache for this config ({type(e).__name__}: {e})"
+    if kinds - {"DynamicLayer"}:
+        return f"cache layers {sorted(kinds)} (only full-attention layers keep every column)"
+    for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        kind = (rope or {}).get("rope_type", (rope or {}).get("type")) if isinstance(rope, dict) else None
+        if kind in LENGTH_DEPENDENT_ROPE:
+            return f"rotary scaling {kind!r} depends on the sequence length"
+    return None
 
 
 def match_prefixes(kept: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
