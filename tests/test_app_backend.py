@@ -170,6 +170,23 @@ def test_list_recipes_and_header(folders):
     assert "algo:" not in header and not any(line.startswith("#") for line in header.splitlines())
 
 
+def test_what_a_recipe_runs_is_listed_before_a_launch(tmp_path):
+    """A recipe found in a run folder may come from anywhere: the code it would run is named on the page."""
+    assert recipes.code_entries(QUICKSTART) == []  # built-ins only
+    own = tmp_path / "own.yaml"
+    own.write_text(
+        "algo: grpo\nmodel: {name: some/model, trust_remote_code: true}\n"
+        "reward: {functions: [{name: numeric_match}, {name: 'rewards.py:mine'}]}\n"
+        "agent: {tools: [calculator, 'tools.py:shell'], environment: 'envs.py:World'}\n"
+    )
+    assert recipes.code_entries(own) == [
+        "reward rewards.py:mine",
+        "tool tools.py:shell",
+        "environment envs.py:World",
+        "the model's own code (model.trust_remote_code, some/model)",
+    ]
+
+
 def two_rewards_recipe(folder: Path) -> Path:
     text = QUICKSTART.read_text().replace(
         "    - name: numeric_match\n      weight: 1.0\n",

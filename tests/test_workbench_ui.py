@@ -292,7 +292,12 @@ def test_train_tab_shows_the_recipe_and_its_fields(wb):
     from lorarl.app.layout import MAX_FIELDS
 
     out = wb.on_recipe(str(QUICKSTART))
-    assert "GRPO quickstart" in out[0]
+    assert "GRPO quickstart" in out[0] and "runs code" not in out[0]
+    run = _fake_run(wb.runs_dir, "downloaded", str(wb.catalog.base_model))  # a run folder's recipe naming code
+    text = (run / "recipe.yaml").read_text().replace("name: numeric_match", "name: rewards.py:mine")
+    (run / "recipe.yaml").write_text(text)
+    shown = wb.on_recipe(str(run / "recipe.yaml"))[0]
+    assert shown.startswith("**runs code when launched:** `reward rewards.py:mine`"), shown[:200]
     assert out[1].value == "smollm2-135m" and str(wb.catalog.base_model) in [c[1] for c in out[1].choices]
     keys, values = _fields(wb)
     assert keys == [

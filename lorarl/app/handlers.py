@@ -86,6 +86,7 @@ class Workbench:
             recipe = self._recipe(path)
             fields, values = recipes.fields_for(recipe), recipes.field_values(recipe)
             header = recipes.recipe_header(recipe)
+            code = recipes.code_entries(recipe)
         except LorarlError as e:
             return [gr.skip()] * 4 + [gr.skip()] * (2 * MAX_FIELDS) + [_err(e), ""]
         others = [f for f in fields if f.key != MODEL_KEY][:MAX_FIELDS]
@@ -97,6 +98,8 @@ class Workbench:
             for i, f in enumerate(others + [None] * (MAX_FIELDS - len(others)))
         ]
         md = "```text\n" + header + "\n```" if header else "_(no comment header)_"
+        if code:  # a recipe from a run folder may come from anywhere: what it runs is shown before a launch
+            md = "**runs code when launched:** " + "; ".join(f"`{c}`" for c in code) + "\n\n" + md
         model_dd = gr.Dropdown(choices=model_choices(self.catalog, model), value=model, visible=MODEL_KEY in values)
         return [
             md,

@@ -98,6 +98,23 @@ def recipe_header(path: str | os.PathLike) -> str:
     return "\n".join(lines).strip()
 
 
+def code_entries(path: str | os.PathLike) -> list[str]:
+    """What in a recipe runs code of its own when launched: reward functions and tools named ``module:function`` /
+    ``file.py:function``, an environment class, ``model.trust_remote_code`` (a model's own Python). The page shows
+    them beside the recipe, so a recipe found in a run folder (copied or downloaded) is never launched unseen."""
+    from lorarl.config import load_recipe
+
+    recipe = load_recipe(path, strict=False)
+    out = [f"reward {f.name}" for f in recipe.reward.functions if ":" in f.name]
+    if recipe.agent is not None:
+        out += [f"tool {t}" for t in recipe.agent.tools if ":" in str(t)]
+        if recipe.agent.environment:
+            out.append(f"environment {recipe.agent.environment}")
+    if recipe.model.trust_remote_code:
+        out.append(f"the model's own code (model.trust_remote_code, {recipe.model.name})")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Fields and validation
 # ---------------------------------------------------------------------------------------------------------------
