@@ -257,7 +257,10 @@ def _retrain(page, runs: Path) -> None:
     _wait_text(page, "#wb-state", name)  # the Watch tab shows the new run
     _wait_text(page, "#wb-state", "finished", timeout=LONG)
     recipe = (runs / name / "recipe.yaml").read_text()
-    assert "preferences.jsonl" in recipe and "quick/policy" in recipe
+    # trained from the run's adapter on the copy of the votes taken at launch (RUN/votes.jsonl)
+    snapshot = runs / name / "votes.jsonl"
+    assert str(snapshot.resolve()) in recipe and "quick/policy" in recipe
+    assert snapshot.read_text() == (runs / "preferences.jsonl").read_text()
     assert (runs / name / "policy" / "adapter_config.json").is_file()
 
 
