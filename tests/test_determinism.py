@@ -145,7 +145,7 @@ def test_deterministic_setting_turns_on_torchs_deterministic_algorithms(tiny_mod
         torch.use_deterministic_algorithms(before)
 
 
-# ---- the real model: the quickstart recipe, 4 steps, a checkpoint every step --------------------------------
+# ---- the real model: the quickstart recipe, 3 steps, a checkpoint every step --------------------------------
 
 
 def _train(out: Path, *extra: str, fault: str | None = None, wait: bool = True) -> subprocess.Popen:
@@ -156,7 +156,7 @@ def _train(out: Path, *extra: str, fault: str | None = None, wait: bool = True) 
     if fault:
         env["LORARL_FAULT"] = fault
     cmd = [sys.executable, "-m", "lorarl.cli", "train", str(ROOT / "recipes" / "grpo_arithmetic.yaml")]
-    cmd += ["--out", str(out), "--max-steps", "4", "--save-every", "1", "--seed", "7", *extra]
+    cmd += ["--out", str(out), "--max-steps", "3", "--save-every", "1", "--seed", "7", *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if wait:
         _, err = proc.communicate(timeout=900)
@@ -165,9 +165,9 @@ def _train(out: Path, *extra: str, fault: str | None = None, wait: bool = True) 
 
 
 def _final_state(run: Path) -> dict[str, torch.Tensor]:
-    """The final adapter and the step-4 checkpoint's AdamW state, flattened to named tensors."""
+    """The final adapter and the step-3 checkpoint's AdamW state, flattened to named tensors."""
     out = {f"adapter/{k}": v for k, v in load_file(str(run / "policy" / "adapter_model.safetensors")).items()}
-    state = torch.load(run / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=True)
+    state = torch.load(run / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=True)
     for i, s in state["optimizers"]["policy"]["state"].items():
         for k, v in s.items():
             if torch.is_tensor(v):
