@@ -182,13 +182,14 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 @pytest.mark.slow
 def test_quickstart_runs_and_resumes_are_bit_identical_on_the_real_model(tmp_path, default_model_dir):
+    # One uninterrupted run; each killed run below redoes its first steps in a new process from the same seed, so
+    # ending equal to it shows run-to-run reproducibility as well as the resume (a second uninterrupted run would
+    # add nothing the killed runs do not already check).
     runs = {}
-    for name in ("a", "b"):
-        proc = _train(tmp_path / name)
-        assert proc.returncode == 0, proc.stderr_text[-3000:]
-        runs[name] = _final_state(tmp_path / name)
+    proc = _train(tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr_text[-3000:]
+    runs["a"] = _final_state(tmp_path / "a")
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in runs["a"].items())  # it trained
-    assert _differences(runs["a"], runs["b"]) == []
 
     # SIGKILL while step 2's checkpoint is being written (its adapters half written), then --resume
     out = tmp_path / "killed_in_write"
