@@ -122,12 +122,15 @@ def test_export_of_a_dpo_run_is_gated_on_the_task_prompts(dpo_run, tmp_path):
     assert "# lorarl dpo export (merged)" in (tmp_path / "merged" / "README.md").read_text()
 
 
-@pytest.mark.parametrize("loss_type,beta", [("hinge", 0.5), ("ipo", 0.5), ("simpo", 2.0)])
+@pytest.mark.parametrize(
+    "loss_type,beta", [("hinge", 0.5), ("ipo", 0.5), ("simpo", 2.0), (["sigmoid", "sft"], 0.5), (["simpo", "sft"], 2.0)]
+)
 def test_every_loss_type_trains(tiny_model_dir, tmp_path, monkeypatch, loss_type, beta):
+    weights = {"loss_weights": [1.0, 0.5]} if isinstance(loss_type, list) else {}
     path = dpo_recipe(
         tiny_model_dir,
         tmp_path,
-        dpo={"loss_type": loss_type, "beta": beta, "task_source": None},
+        dpo={"loss_type": loss_type, "beta": beta, "task_source": None, **weights},
         train={"steps": 6},
         eval={"every": 0},
     )
@@ -141,8 +144,8 @@ def test_every_loss_type_trains(tiny_model_dir, tmp_path, monkeypatch, loss_type
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
     assert summary["preference_accuracy"] >= 0.8
-    if loss_type == "simpo":
-        assert "reference" not in calls  # reference-free: the reference never runs
+    if "simpo" in loss_type:
+        assert "reference" not in calls  # reference-free (sft reads none either): the reference never runs
     else:
         assert calls.count("reference") == 6 + 1  # once per step, once for the held-out pairs
 
@@ -359,6 +362,17 @@ def test_recipe_checks(tiny_model_dir, tmp_path):
         recipe_from_dict({**base, "dpo": {"label_smoothing": 0.5}})
     with pytest.raises(RecipeError, match="dpo.loss_type"):
         recipe_from_dict({**base, "dpo": {"loss_type": "kto"}})
+    with pytest.raises(RecipeError, match="dpo.loss_type sft needs a preference loss beside it"):
+        recipe_from_dict({**base, "dpo": {"loss_type": ["sft"]}})
+    with pytest.raises(RecipeError, match="dpo.loss_type names a loss twice"):
+        recipe_from_dict({**base, "dpo": {"loss_type": ["sigmoid", "sigmoid"]}})
+    with pytest.raises(RecipeError, match=r"dpo.loss_weights has 1 weight\(s\) for 2 loss type\(s\)"):
+        recipe_from_dict({**base, "dpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}})
+    with pytest.raises(RecipeError, match="not ipo: set it to 0"):
+        recipe_from_dict({**base, "dpo": {"loss_type": ["sigmoid", "ipo"], "label_smoothing": 0.1}})
+    rpo = recipe_from_dict({**base, "dpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.2]}}).dpo
+    assert rpo.losses == (("sigmoid", 1.0), ("sft", 0.2)) and rpo.needs_reference
+    assert not recipe_from_dict({**base, "dpo": {"loss_type": ["simpo", "sft"]}}).dpo.needs_reference
     recipe = recipe_from_dict({**base, "data": {"source": "arithmetic"}})
     from lorarl.model import SharedBase
 

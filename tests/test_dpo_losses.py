@@ -17,9 +17,11 @@ from lorarl.algos.dpo_scoring import implicit_reward_metrics
 from lorarl.core.preference_losses import (
     PREFERENCE_LOSSES,
     PairLogps,
+    combined_loss,
     hinge_loss,
     ipo_loss,
     preference_loss,
+    sft_term,
     sigmoid_loss,
     simpo_loss,
 )
@@ -125,7 +127,7 @@ class _Accelerator:
         return m
 
 
-def trl_dpo(per_token, mask, ref, loss_type: str, beta: float):
+def trl_dpo(per_token, mask, ref, loss_type: str | list[str], beta: float, loss_weights: list[float] | None = None):
     """TRL 1.16's DPOTrainer._compute_loss on a minimal trainer: the model returns ``per_token`` as its
     per-position log-probs (zero outside the completion, as TRL's fused head gives for label -100); the reference
     sums are TRL's precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``."""
@@ -148,8 +150,8 @@ def trl_dpo(per_token, mask, ref, loss_type: str, beta: float):
         precompute_ref_logps=True,
         aux_loss_enabled=False,
         f_divergence_type="reverse_kl",
-        loss_types=[loss_type],
-        loss_weights=[1.0],
+        loss_types=[loss_type] if isinstance(loss_type, str) else list(loss_type),
+        loss_weights=loss_weights or [1.0],
         beta=beta,
         label_smoothing=0.0,
         use_weighting=False,
@@ -232,3 +234,60 @@ def test_label_smoothed_sigmoid_matches_trl_cpo_sigmoid_on_log_ratios(eps):
     torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(rc, want_rc, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(rr, want_rr, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL 1.x's weighted loss lists: [sigmoid, sft] (RPO / MPO's NLL term on the chosen responses)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_sft_term_and_combined_loss_by_hand():
+    pair = PairLogps(t(-2.0, -6.0), t(-1.0, -1.0), t(4.0, 4.0), t(2.0, 2.0), t(0.0, 0.0), t(0.0, 0.0))
+    s = sft_term(pair, batch_pairs=2, batch_chosen_tokens=8.0)
+    assert s.tolist() == pytest.approx([0.5, 1.5]) and float(s.mean()) == pytest.approx(8.0 / 8.0)
+    # sigmoid weight 1 + sft weight 0.5, ratio_w = 2, ratio_l = -1, beta 0.5, log pi(y_w) = -2 over 4 tokens
+    one = PairLogps(t(-2.0), t(0.0), t(4.0), t(2.0), t(-4.0), t(1.0))
+    loss, rc, rr = combined_loss(one, (("sigmoid", 1.0), ("sft", 0.5)), beta=0.5)
+    assert float(loss) == pytest.approx(0.20141 + 0.5 * 0.5, abs=1e-5)
+    assert (float(rc), float(rr)) == pytest.approx((1.0, -0.5))  # the preference loss's implicit rewards
+
+
+def test_combined_loss_over_micro_batches_is_the_batch_loss():
+    """Each micro-batch passes its batch's pair and chosen-token counts: the shares add up to the whole batch's
+    loss, so gradient accumulation is exact with the batch-wide token mean of the sft term."""
+    per_token, mask, ref = random_batch(B=6, seed=5)
+    pair = lorarl_pair(per_token, mask, ref)
+    losses = (("sigmoid", 1.0), ("sft", 0.3))
+    whole, _, _ = combined_loss(pair, losses, beta=0.2)
+    n, t_w = 6, float(pair.chosen_tokens.sum())
+    shares = 0.0
+    for part in (slice(0, 2), slice(2, 6)):
+        sub = PairLogps(
+            *(
+                getattr(pair, f)[part]
+                for f in ("chosen", "rejected", "chosen_tokens", "rejected_tokens", "ref_chosen", "ref_rejected")
+            )
+        )
+        loss, _, _ = combined_loss(sub, losses, beta=0.2, batch_pairs=n, batch_chosen_tokens=t_w)
+        shares += float(loss.sum()) / n
+    assert shares == pytest.approx(float(whole.mean()), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        (("sigmoid", 1.0), ("sft", 1.0)),
+        (("sigmoid", 0.8), ("sft", 0.35)),
+        (("hinge", 1.0), ("sft", 0.5)),
+        (("ipo", 0.5), ("sft", 2.0)),
+    ],
+)
+def test_weighted_lists_match_trl_dpo_trainer(losses):
+    per_token, mask, ref = random_batch(seed=11)
+    names, weights = [n for n, _ in losses], [w for _, w in losses]
+    want_loss, want = trl_dpo(per_token, mask, ref, names, 0.3, loss_weights=weights)
+    loss, rc, rr = combined_loss(lorarl_pair(per_token, mask, ref), losses, beta=0.3)
+    assert float(loss.mean()) == pytest.approx(want_loss, rel=1e-6, abs=1e-9)
+    ours = implicit_reward_metrics(rc, rr)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+        assert ours[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key

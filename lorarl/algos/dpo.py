@@ -1,6 +1,7 @@
 """DPO and its common variants on the shared base: the policy is a LoRA adapter, the reference is the base with
 adapters disabled (or ``model.init_adapter``, loaded a second time as a frozen ``reference`` adapter), so no second
-model is ever loaded. Losses by TRL's names (``dpo.loss_type``: ``sigmoid`` = DPO, ``hinge``, ``ipo``, ``simpo``),
+model is ever loaded. Losses by TRL's names (``dpo.loss_type``: ``sigmoid`` = DPO, ``hinge``, ``ipo``, ``simpo``, and
+TRL 1.x's weighted lists such as ``[sigmoid, sft]``),
 pure functions in :mod:`lorarl.core.preference_losses`, chosen once at set-up.
 
 Read :meth:`DPO.step` top to bottom (the run loop, :mod:`lorarl.algos.loop`, does checkpoints, resume, evaluation,
@@ -47,7 +48,7 @@ from lorarl.algos.base import (
 )
 from lorarl.algos.dpo_scoring import implicit_reward_metrics, pair_metrics, pair_tokens, response_logps, role_logps
 from lorarl.config import Recipe
-from lorarl.core.preference_losses import REFERENCE_FREE, PairLogps, preference_loss
+from lorarl.core.preference_losses import PairLogps, combined_loss
 from lorarl.core.schedules import advance
 from lorarl.data.pairs import PairSet, load_pairs, skipped_summary
 from lorarl.errors import DataError
@@ -103,7 +104,7 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> str | None:
         shared.add_adapter(POLICY, init_from=init, trainable=True)
     else:
         shared.add_adapter(POLICY, recipe.lora)
-    if recipe.dpo.loss_type in REFERENCE_FREE:
+    if not recipe.dpo.needs_reference:
         return None
     if init:
         shared.add_adapter(REFERENCE, init_from=init, trainable=False)
@@ -135,7 +136,11 @@ def dpo_loss(
         None if ref is None else ref.chosen[part].to(dev),
         None if ref is None else ref.rejected[part].to(dev),
     )
-    per_pair, chosen_rewards, rejected_rewards = loss_fn(pair)  # [b] each
+    # [b] each; an `sft` term is a token mean over the whole batch (its chosen tokens), not over this micro-batch
+    chosen_tokens = float(sum(len(pairs.chosen_ids[i]) for i in rows))
+    per_pair, chosen_rewards, rejected_rewards = loss_fn(
+        pair, batch_pairs=batch_pairs, batch_chosen_tokens=chosen_tokens
+    )
     with torch.no_grad():
         stats = {
             key: (value * b, float(b))
@@ -306,7 +311,7 @@ def loss_of(recipe: Recipe):
     rejected_rewards [B])`` (:mod:`lorarl.core.preference_losses`)."""
     cfg = recipe.dpo
     return functools.partial(
-        preference_loss(cfg.loss_type), beta=cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma
+        combined_loss, losses=cfg.losses, beta=cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma
     )
 
 
@@ -332,7 +337,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     shared = shared or SharedBase.load(recipe.model)
     adapter = checkpoint_adapter(recipe, checkpoint)
     reference = None
-    if recipe.dpo.loss_type not in REFERENCE_FREE:
+    if recipe.dpo.needs_reference:
         reference = REFERENCE
         if recipe.model.init_adapter and not shared.has_adapter(REFERENCE):
             shared.add_adapter(REFERENCE, init_from=recipe.model.init_adapter, trainable=False)

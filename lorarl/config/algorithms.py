@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Union
 
 from lorarl.config.common import LoraSettings, check
 
@@ -253,12 +253,19 @@ class RejectionSamplingConfig:
         check(self.max_per_prompt >= 0, where, "rejection_sampling.max_per_prompt", "must be >= 0 (0: no limit)")
 
 
+DPOLossName = Literal["sigmoid", "hinge", "ipo", "simpo", "sft"]
+PAIRWISE_NEEDING_REFERENCE = ("sigmoid", "hinge", "ipo")
+
+
 @dataclass
 class DPOConfig:
     """Direct preference optimization of the policy adapter on preference pairs (lorarl.algos.dpo); the reference
     is the base with adapters off, or model.init_adapter frozen. Losses by TRL's names (lorarl.core.preference_losses)."""
 
-    loss_type: Literal["sigmoid", "hinge", "ipo", "simpo"] = "sigmoid"  # sigmoid = DPO; simpo: reference-free SimPO
+    # sigmoid = DPO; simpo: reference-free SimPO; a list combines them as TRL 1.x does, weighted by loss_weights,
+    # e.g. [sigmoid, sft] (RPO: an NLL term on the chosen responses; `sft` only beside a preference loss)
+    loss_type: Union[DPOLossName, list[DPOLossName]] = "sigmoid"  # noqa: UP007  the loader reads typing.Union
+    loss_weights: list[float] | None = None  # noqa: UP007  one weight per loss_type entry (default: 1 each)
     beta: float = 0.1  # DPO's beta (IPO's tau; SimPO's beta, typically 2-2.5)
     label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped, in [0, 0.5)
     simpo_gamma: float = 0.5  # SimPO's target reward margin gamma (loss_type simpo)
@@ -269,14 +276,48 @@ class DPOConfig:
     max_tokens_per_forward: int = 2048  # length-sorted forwards of at most this many padded tokens; 0 = one forward
     task_source: str | None = None  # held-out prompts for the greedy task evaluation (e.g. arithmetic); null: none
 
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        """``loss_type`` as a tuple (one name or TRL's list)."""
+        return (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+
+    @property
+    def losses(self) -> tuple[tuple[str, float], ...]:
+        """``((loss type, weight), ...)``: ``loss_weights`` or 1 each."""
+        weights = self.loss_weights if self.loss_weights is not None else [1.0] * len(self.loss_types)
+        return tuple(zip(self.loss_types, (float(w) for w in weights)))
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether any loss reads the reference's log-probs (simpo and sft do not)."""
+        return any(t in PAIRWISE_NEEDING_REFERENCE for t in self.loss_types)
+
     def validate(self, where: str) -> None:
+        types = self.loss_types
+        check(len(types) >= 1, where, "dpo.loss_type", "names at least one loss")
+        check(len(set(types)) == len(types), where, "dpo.loss_type", f"names a loss twice: {list(types)}")
+        check(
+            any(t != "sft" for t in types),
+            where,
+            "dpo.loss_type",
+            "sft needs a preference loss beside it (e.g. [sigmoid, sft]); for SFT alone use algo: sft",
+        )
+        if self.loss_weights is not None:
+            check(
+                len(self.loss_weights) == len(types),
+                where,
+                "dpo.loss_weights",
+                f"has {len(self.loss_weights)} weight(s) for {len(types)} loss type(s) {list(types)}",
+            )
+            check(all(w >= 0 for w in self.loss_weights), where, "dpo.loss_weights", "must be >= 0")
         check(self.beta > 0, where, "dpo.beta", "must be > 0")
         check(0 <= self.label_smoothing < 0.5, where, "dpo.label_smoothing", "must be in [0, 0.5)")
+        unsmoothed = [t for t in types if t not in ("sigmoid", "simpo", "sft")]
         check(
-            self.label_smoothing == 0 or self.loss_type in ("sigmoid", "simpo"),
+            self.label_smoothing == 0 or not unsmoothed,
             where,
             "dpo.label_smoothing",
-            f"applies to loss_type sigmoid and simpo only, not {self.loss_type}: set it to 0",
+            f"applies to loss_type sigmoid and simpo only, not {', '.join(unsmoothed)}: set it to 0",
         )
         check(self.epochs >= 1, where, "dpo.epochs", "must be >= 1")
         check(self.batch_size >= 1, where, "dpo.batch_size", "must be >= 1")

@@ -18,6 +18,9 @@ With ``pi`` the policy, ``ref`` the reference, ``y_w`` / ``y_l`` the chosen / re
   ``loss_type="simpo"``): ``loss = -(1 - eps) log sigmoid(beta m - gamma) - eps log sigmoid(-(beta m - gamma))``,
   ``m = log pi(y_w|x) / |y_w| - log pi(y_l|x) / |y_l|``.
 
+* ``sft`` (TRL 1.x's ``sft`` loss type, only beside one of the above, weighted by ``loss_weights``: RPO / MPO): the
+  chosen responses' NLL, a token mean over the batch (:func:`sft_term`, :func:`combined_loss`).
+
 Implicit rewards: ``beta * (log pi(y|x) - log ref(y|x))`` for the reference-based losses (TRL's DPOTrainer logs
 this for every loss type); ``beta * log pi(y|x) / |y|`` for ``simpo`` (TRL's CPOTrainer).
 
@@ -46,6 +49,9 @@ __all__ = [
     "ipo_loss",
     "simpo_loss",
     "preference_loss",
+    "SFT",
+    "sft_term",
+    "combined_loss",
 ]
 
 PreferenceLoss = Literal["sigmoid", "hinge", "ipo", "simpo"]
@@ -151,6 +157,52 @@ PREFERENCE_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {
 }
 REFERENCE_FREE = frozenset({"simpo"})  # never run the reference
 SMOOTHED = frozenset({"sigmoid", "simpo"})  # the losses that read label_smoothing
+SFT = "sft"  # TRL's `sft` loss type: an NLL term on the chosen responses, combined with a preference loss
+
+
+def sft_term(pair: PairLogps, batch_pairs: int, batch_chosen_tokens: float) -> Tensor:
+    """TRL's ``sft`` loss type (the chosen responses' NLL, a token mean over the batch), spread over the pairs:
+    ``s_i = -log pi(y_w,i|x_i) * N / T_w``, with ``N`` the batch's pairs and ``T_w`` its chosen response tokens, so
+    that ``mean_i s_i`` over the batch is ``-sum_i log pi(y_w,i|x_i) / T_w`` = TRL's
+    ``-chosen_per_token_logps[chosen_mask].mean()``. A micro-batch passes its batch's ``N`` and ``T_w``.
+
+    Example: two pairs, log pi(y_w) = -2 over 4 tokens and -6 over 4 tokens -> ``s = (2 * 2 / 8, 6 * 2 / 8) = (0.5,
+    1.5)``, mean ``1.0`` = ``8 / 8``.
+    """
+    return -pair.chosen * (batch_pairs / batch_chosen_tokens)
+
+
+def combined_loss(
+    pair: PairLogps,
+    losses: tuple[tuple[str, float], ...],
+    beta: float,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.5,
+    batch_pairs: int | None = None,
+    batch_chosen_tokens: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """TRL 1.x's weighted sum of loss types (``loss_type: [sigmoid, sft]`` with ``loss_weights``, e.g. RPO / MPO):
+    ``loss_i = sum_k w_k l_k(i) + w_sft s_i`` per pair (:func:`sft_term` for ``sft``, the registered losses for the
+    others), so the batch's mean over pairs is ``sum_k w_k mean_i l_k(i) + w_sft NLL_w`` as TRL computes it.
+    Implicit rewards: the first preference loss's. ``batch_pairs`` / ``batch_chosen_tokens``: the batch the pairs
+    belong to (default: ``pair`` is the whole batch).
+
+    Example: sigmoid with weight 1 and sft with weight 0.5, ratio_w = 2, ratio_l = -1, beta = 0.5, one pair with
+    log pi(y_w) = -2 over 4 tokens -> ``0.20141 + 0.5 * 0.5 = 0.45141``.
+    """
+    n = len(pair.chosen) if batch_pairs is None else batch_pairs
+    t_w = float(pair.chosen_tokens.sum()) if batch_chosen_tokens is None else batch_chosen_tokens
+    total, rewards = None, None
+    for name, weight in losses:
+        if name == SFT:
+            part = sft_term(pair, n, max(t_w, 1.0))
+        else:
+            part, rc, rr = PREFERENCE_LOSSES[name](pair, beta=beta, label_smoothing=label_smoothing, gamma=gamma)
+            rewards = rewards or (rc, rr)
+        total = part * weight if total is None else total + part * weight
+    if total is None or rewards is None:
+        raise ValueError(f"loss types {[n for n, _ in losses]}: at least one preference loss is needed besides sft")
+    return total, rewards[0], rewards[1]
 
 
 def preference_loss(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:

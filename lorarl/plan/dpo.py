@@ -8,7 +8,7 @@ groups of at most ``M = dpo.max_tokens_per_forward`` padded tokens (:func:`lorar
 so with every row at ``T`` a group holds ``g = min(R, max(1, M // T))`` rows (``M = 0``: one group, ``g = R``).
 Prompt sharing between the two rows of a pair is left out, so the figures are an upper bound.
 
-* ``reference`` (no gradients, adapters off or the frozen ``model.init_adapter``; none for ``loss_type: simpo``;
+* ``reference`` (no gradients, adapters off or the frozen ``model.init_adapter``; none when no loss reads it (``simpo``, ``sft``);
   with ``precompute_ref_log_probs`` the same pass runs once over every pair before step 1, so its peak is the same):
   per group, the hidden states ``2 g T H dt`` + one layer's forward over ``g T`` tokens + the attention mask
   ``g T^2``, or the hidden states + one chunk of logits ``g c V max(8, dt + 4)``.

@@ -86,7 +86,7 @@ class PlanSettings:
     eval_batch_size: int = 0
     eval_max_new_tokens: int | None = None
     # dpo / reward_model: padded tokens per length-sorted forward (dpo. / reward_model.max_tokens_per_forward; 0: one
-    # forward per micro-batch), and whether a reference pass runs (dpo: every loss type but simpo)
+    # forward per micro-batch), and whether a reference pass runs (dpo: when a loss reads it, not simpo / sft)
     max_tokens_per_forward: int = 0
     dpo_reference: bool = True
     judge: str = "none"  # an LLM-judge reward (lorarl.plan.judge): none | base | adapter | folder

@@ -102,7 +102,7 @@ def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> Plan
         eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if evaluates else 0,
         eval_max_new_tokens=recipe.eval.max_new_tokens or recipe.generation.max_new_tokens,
         max_tokens_per_forward=d.max_tokens_per_forward,
-        dpo_reference=d.loss_type != "simpo",
+        dpo_reference=d.needs_reference,
     )
 
 
