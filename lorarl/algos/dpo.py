@@ -118,12 +118,13 @@ def dpo_loss(
     ref: PairLogps | None,
     loss_fn,
     batch_pairs: int,
+    batch_chosen_tokens: float,
     max_tokens: int,
     part: slice,
 ):
     """Step 3: micro-batch ``rows[part]``'s share of the batch's mean preference loss under the active policy ->
     ``(sum of its per-pair losses / batch_pairs, {stat: (sum, count)})``. ``ref`` holds the reference's log-probs of
-    ``rows`` in order (None: reference-free)."""
+    ``rows`` in order (None: reference-free); ``batch_chosen_tokens``: the chosen responses' tokens of all ``rows``."""
     mb = rows[part]
     b = len(mb)
     logps, counts = response_logps(shared, pair_tokens(pairs, mb, shared.pad_id), max_tokens)  # [2b], [2b]
@@ -137,9 +138,8 @@ def dpo_loss(
         None if ref is None else ref.rejected[part].to(dev),
     )
     # [b] each; an `sft` term is a token mean over the whole batch (its chosen tokens), not over this micro-batch
-    chosen_tokens = float(sum(len(pairs.chosen_ids[i]) for i in rows))
     per_pair, chosen_rewards, rejected_rewards = loss_fn(
-        pair, batch_pairs=batch_pairs, batch_chosen_tokens=chosen_tokens
+        pair, batch_pairs=batch_pairs, batch_chosen_tokens=batch_chosen_tokens
     )
     with torch.no_grad():
         stats = {
@@ -208,8 +208,9 @@ class DPO:
         ref = self.reference_logps(rows)
 
         # 3. One optimizer step: each micro-batch's per-pair losses / the batch's pairs -----------------------------
+        chosen_tokens = float(sum(len(self.train_pairs.chosen_ids[i]) for i in rows))
         loss_fn = functools.partial(
-            dpo_loss, shared, self.train_pairs, rows, ref, self.loss_fn, len(rows), self.max_tokens
+            dpo_loss, shared, self.train_pairs, rows, ref, self.loss_fn, len(rows), chosen_tokens, self.max_tokens
         )
         # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
         with phase("training"), shared.role(POLICY, train=True, dropout=True):

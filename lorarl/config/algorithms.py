@@ -254,7 +254,8 @@ class RejectionSamplingConfig:
 
 
 DPOLossName = Literal["sigmoid", "hinge", "ipo", "simpo", "sft"]
-PAIRWISE_NEEDING_REFERENCE = ("sigmoid", "hinge", "ipo")
+PAIRWISE_NEEDING_REFERENCE = ("sigmoid", "hinge", "ipo")  # simpo and sft never run the reference
+LABEL_SMOOTHED = ("sigmoid", "simpo")  # the losses that read label_smoothing (sft has no labels)
 
 
 @dataclass
@@ -265,7 +266,7 @@ class DPOConfig:
     # sigmoid = DPO; simpo: reference-free SimPO; a list combines them as TRL 1.x does, weighted by loss_weights,
     # e.g. [sigmoid, sft] (RPO: an NLL term on the chosen responses; `sft` only beside a preference loss)
     loss_type: Union[DPOLossName, list[DPOLossName]] = "sigmoid"  # noqa: UP007  the loader reads typing.Union
-    loss_weights: list[float] | None = None  # noqa: UP007  one weight per loss_type entry (default: 1 each)
+    loss_weights: list[float] | None = None  # one weight per loss_type entry (default: 1 each)
     beta: float = 0.1  # DPO's beta (IPO's tau; SimPO's beta, typically 2-2.5)
     label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped, in [0, 0.5)
     simpo_gamma: float = 0.5  # SimPO's target reward margin gamma (loss_type simpo)
@@ -312,7 +313,7 @@ class DPOConfig:
             check(all(w >= 0 for w in self.loss_weights), where, "dpo.loss_weights", "must be >= 0")
         check(self.beta > 0, where, "dpo.beta", "must be > 0")
         check(0 <= self.label_smoothing < 0.5, where, "dpo.label_smoothing", "must be in [0, 0.5)")
-        unsmoothed = [t for t in types if t not in ("sigmoid", "simpo", "sft")]
+        unsmoothed = [t for t in types if t not in (*LABEL_SMOOTHED, "sft")]
         check(
             self.label_smoothing == 0 or not unsmoothed,
             where,

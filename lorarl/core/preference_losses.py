@@ -42,8 +42,6 @@ __all__ = [
     "PairLogps",
     "PreferenceLoss",
     "PREFERENCE_LOSSES",
-    "REFERENCE_FREE",
-    "SMOOTHED",
     "sigmoid_loss",
     "hinge_loss",
     "ipo_loss",
@@ -155,8 +153,6 @@ PREFERENCE_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {
     "ipo": ipo_loss,
     "simpo": simpo_loss,
 }
-REFERENCE_FREE = frozenset({"simpo"})  # never run the reference
-SMOOTHED = frozenset({"sigmoid", "simpo"})  # the losses that read label_smoothing
 SFT = "sft"  # TRL's `sft` loss type: an NLL term on the chosen responses, combined with a preference loss
 
 
