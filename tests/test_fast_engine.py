@@ -157,6 +157,23 @@ def test_registered_as_fast_and_its_recipe_keys_are_checked():
         recipe_from_dict({"generation": {"engine": "vllm"}})
 
 
+def test_the_default_engine_decodes_with_generate_on_cpu_and_fast_on_cuda(policy_shared, monkeypatch):
+    """``generation.engine: auto`` (the default) resolves by the shared base's device: ``generate_rollout`` on this
+    CPU model builds the hf engine; the same config on a CUDA device names the fast one."""
+    from lorarl.config import GenerationConfig
+    from lorarl.rollout import generate as rollout_generate
+    from lorarl.rollout.generate import generate_rollout
+
+    built = []
+    monkeypatch.setattr(rollout_generate, "make_engine", lambda name: built.append(name) or make_engine(name))
+    gen = GenerationConfig(max_new_tokens=3)
+    assert gen.engine == "auto"
+    generate_rollout(policy_shared, _prompts(policy_shared, TEXTS), gen, group_size=2, role="policy")
+    assert built == ["hf"]
+    assert isinstance(make_engine(gen.engine_for("cuda")), FastEngine)
+    assert GenerationConfig(engine="hf").engine_for("cuda") == "hf"
+
+
 @pytest.mark.parametrize("batch_size", [None, 6, 4], ids=["shared-prefix", "plain", "chunks-cut-groups"])
 def test_greedy_tokens_identical_to_generate(policy_shared, batch_size):
     sb = policy_shared

@@ -322,3 +322,29 @@ def test_cli_plan_shows_the_fast_engines_memory(capsys):
     main(["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast", "generation.cuda_graphs=false"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert any("no graphs" in line for line in lines[:-1])
+
+
+def test_the_default_engine_is_fast_on_cuda_and_hf_on_cpu():
+    """``generation.engine: auto`` (the default; no shipped recipe names an engine) plans the fast engine's static
+    cache and graph pool for a GPU and ``generate`` for a CPU; a recipe that names an engine keeps it."""
+    from lorarl.config import load_recipe
+    from lorarl.plan.recipes import recipe_settings
+
+    path = REPO / "recipes" / "grpo_arithmetic.yaml"
+    recipe = load_recipe(path)
+    assert recipe.generation.engine == "auto"
+    assert recipe_settings(recipe, device_type="cuda").engine == "fast"
+    assert recipe_settings(recipe, device_type="cpu").engine == "hf"
+    assert recipe_settings(load_recipe(path, ["generation.engine=hf"]), device_type="cuda").engine == "hf"
+    assert recipe_settings(load_recipe(path, ["generation.engine=fast"]), device_type="cpu").engine == "fast"
+    gpu = estimate_memory(model_shape("llama-3.1-8b"), recipe_settings(recipe, device_type="cuda"))
+    assert gpu["breakdown"]["persistent"]["static_kv_cache"] > 0
+
+
+def test_cli_plan_of_a_default_recipe_shows_the_fast_engine_on_a_gpu(capsys):
+    from lorarl.cli import main
+
+    assert main(["plan", str(REPO / "recipes" / "grpo_arithmetic.yaml"), "--model-config", "llama-3.1-8b"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["settings"]["engine"] == "fast"
+    assert any(line.startswith("  decode engine: fast, CUDA graphs") for line in out[:-1])

@@ -240,7 +240,7 @@ def agent_rollout(
     trajectory; the loss mask, ``Rollout.model_mask``, keeps the model's tokens). Tokens per turn:
     ``agent.max_tokens_per_turn``, else ``max_new_tokens`` (evaluation's), else ``generation.max_new_tokens``."""
     tok, eos = shared.tokenizer, set(shared.eos_ids)
-    engine = engine or make_engine(generation.engine)
+    engine = engine or make_engine(generation.engine_for(shared.device.type))
     index = prompt_index if prompt_index is not None else list(range(len(rows)))
     sessions, contexts, prefixes, tool_maps, messages = _start(agent, rows, group_size)
     trajs = [Trajectory(context=c) for c in contexts]

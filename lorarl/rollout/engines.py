@@ -2,7 +2,8 @@
 
 An engine samples ``group_size`` completions per prompt with the active role of the shared base and returns the
 generated ids (right padded) and, when asked, the log-probability the sampler drew each token with (the parity
-health check compares it with what the trainer computes). ``generation.engine`` picks one:
+health check compares it with what the trainer computes). ``generation.engine`` picks one (``auto``, the default:
+``fast`` on CUDA, ``hf`` elsewhere, :meth:`lorarl.config.GenerationConfig.engine_for`):
 
 * ``hf`` (:class:`HFEngine`): transformers' ``generate`` through PEFT, each prompt prefilled once for its ``G``
   samples (its KV cache copied ``G`` times), every sampling field explicit (:mod:`lorarl.model.sampling`).
@@ -177,5 +178,5 @@ ENGINES: dict[str, type] = {"hf": HFEngine, "fast": FastEngine}
 
 
 def make_engine(name: str) -> Engine:
-    """The engine registered as ``name`` (``generation.engine``)."""
+    """The engine registered as ``name`` (``generation.engine_for(device)``: ``auto`` resolved)."""
     return ENGINES[name]()

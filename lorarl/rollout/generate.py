@@ -70,7 +70,7 @@ def generate_rollout(
     rows = [p for p in prompts for _ in range(group_size)]  # [N] grouped: G copies of each prompt in a row
     row_index = [i for i in index for _ in range(group_size)]
     prompt_ids, prompt_mask = pad_left(rows, shared.pad_id)
-    engine = engine or make_engine(generation.engine)
+    engine = engine or make_engine(generation.engine_for(shared.device.type))
     with phase("generation"), shared.role(role, train=False):
         sampled = engine.sample(
             shared,

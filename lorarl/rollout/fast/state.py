@@ -23,6 +23,7 @@ same function runs eagerly (CPU, or CUDA without graphs) and inside a CUDA graph
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,7 +90,9 @@ class DecodeState:
         from transformers import StaticCache
 
         dev = shared.device
-        self.shared = shared
+        # A weak reference: the kept states live in a table keyed weakly by the shared base (graphs.pool_for), and a
+        # strong one back to the key would keep the base, its weights, caches and graph pool alive for good.
+        self.shared = weakref.proxy(shared)
         self.rows, self.length, self.new_tokens = rows, length, new_tokens
         self.kv_dtype = kv_dtype
         self.cache = StaticCache(config=shared.decoder().config, max_cache_len=length)
