@@ -274,7 +274,13 @@ def test_plan_line_on_this_machine(tmp_path):
 
     # the planner's own figure moves with the recipe: 4x the completion length costs more
     assert peak(recipes.plan_line(QUICKSTART, ["generation.max_new_tokens=64"])) > peak(line)
-    assert "no estimate for a reward_model" in recipes.plan_line(SHIPPED / "reward_model.yaml")
+    assert "tensor peak" in recipes.plan_line(SHIPPED / "reward_model.yaml")  # the planner models its step
+    assert "tensor peak" in recipes.plan_line(SHIPPED / "online_dpo.yaml")  # as a GRPO step of 2 samples per prompt
+    rs = tmp_path / "rs.yaml"
+    rs.write_text(
+        "algo: rejection_sampling\nmodel: {name: smollm2-135m}\nreward:\n  functions: [{name: numeric_match}]\n"
+    )
+    assert "no estimate for a rejection_sampling recipe" in recipes.plan_line(rs)
     assert "train.steps must be >= 1" in recipes.plan_line(QUICKSTART, ["train.steps=0"])
 
 

@@ -13,6 +13,7 @@ ALGORITHMS = {
     "sft": "lorarl.algos.sft:SFT",
     "rejection_sampling": "lorarl.algos.rejection_sampling:RejectionSampling",
     "dpo": "lorarl.algos.dpo:DPO",
+    "online_dpo": "lorarl.algos.online_dpo:OnlineDPO",
 }
 
 

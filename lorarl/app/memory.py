@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
-from lorarl.plan.estimate import PLANNED_ALGOS  # the steps the planner models; others: no estimate (chat paused)
+from lorarl.plan.recipes import PLANNED_RECIPES  # the steps the planner models; others: no estimate (chat paused)
 
 GB = 1e9  # the planner's unit (lorarl.plan.terms.GB)
 
@@ -164,8 +164,8 @@ def planned(recipe_path: Path, overrides: list[str] | None = None, budget_gb: fl
     from lorarl.plan import plan_recipe
 
     recipe = load_recipe(recipe_path, list(overrides or []))
-    if recipe.algo not in PLANNED_ALGOS:
-        raise LorarlError(f"the planner models {', '.join(PLANNED_ALGOS)} runs, not {recipe.algo}")
+    if recipe.algo not in PLANNED_RECIPES:
+        raise LorarlError(f"the planner models {', '.join(PLANNED_RECIPES)} runs, not {recipe.algo}")
     with contextlib.redirect_stdout(io.StringIO()):
         result = plan_recipe(recipe_path, budget_gb=budget_gb, overrides=list(overrides or []))
     auto = result["micro_batch_size"] == "auto"

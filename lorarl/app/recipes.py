@@ -265,8 +265,6 @@ def check_recipe(path: str | os.PathLike, recipe_dirs: list[Path], runs_dir: Pat
 # The planner's line
 # ---------------------------------------------------------------------------------------------------------------
 
-PLANNED = ("grpo", "ppo", "dpo")
-
 
 def host_memory_gb() -> float | None:
     """MemAvailable of ``/proc/meminfo`` in GB (10^9 bytes), or None where there is none."""
@@ -283,14 +281,15 @@ def plan_line(path: str | os.PathLike, overrides: list[str] | None = None, budge
     """The planner's peak estimate of one step of this recipe on this machine, in one line: on CUDA against the
     device's total memory (or ``budget_gb``), on a CPU as host memory (fp32, no NF4) beside what is available."""
     from lorarl.plan import estimate_memory, pick_micro_batch, recipe_model_shape, recipe_settings
+    from lorarl.plan.recipes import PLANNED_RECIPES
     from lorarl.plan.terms import GB
 
     try:
         recipe = load_recipe(path, overrides or [])
     except LorarlError as e:
         return f"plan: {e}"
-    if recipe.algo not in PLANNED:
-        return f"plan: the planner models grpo, ppo and dpo steps; no estimate for a {recipe.algo} recipe"
+    if recipe.algo not in PLANNED_RECIPES:
+        return f"plan: the planner models {', '.join(PLANNED_RECIPES)} steps; no estimate for a {recipe.algo} recipe"
     import torch
 
     cuda = torch.cuda.is_available()

@@ -258,8 +258,39 @@ PAIRWISE_NEEDING_REFERENCE = ("sigmoid", "hinge", "ipo")  # simpo and sft never 
 LABEL_SMOOTHED = ("sigmoid", "simpo")  # the losses that read label_smoothing (sft has no labels)
 
 
+class PreferenceLosses:
+    """What DPO and online DPO share: their ``loss_type`` (one name or TRL 1.x's list) with ``loss_weights``."""
+
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        """``loss_type`` as a tuple (one name or TRL's list)."""
+        return (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+
+    @property
+    def losses(self) -> tuple[tuple[str, float], ...]:
+        """``((loss type, weight), ...)``: ``loss_weights`` or 1 each."""
+        weights = self.loss_weights if self.loss_weights is not None else [1.0] * len(self.loss_types)
+        return tuple(zip(self.loss_types, (float(w) for w in weights)))
+
+    def check_losses(self, where: str, section: str, sft_alone: str) -> None:
+        """One clear line for a loss list that names nothing, a loss twice, ``sft`` alone (``sft_alone`` says what to
+        use instead) or the wrong number of weights."""
+        types = self.loss_types
+        check(len(types) >= 1, where, f"{section}.loss_type", "names at least one loss")
+        check(len(set(types)) == len(types), where, f"{section}.loss_type", f"names a loss twice: {list(types)}")
+        check(any(t != "sft" for t in types), where, f"{section}.loss_type", sft_alone)
+        if self.loss_weights is not None:
+            check(
+                len(self.loss_weights) == len(types),
+                where,
+                f"{section}.loss_weights",
+                f"has {len(self.loss_weights)} weight(s) for {len(types)} loss type(s) {list(types)}",
+            )
+            check(all(w >= 0 for w in self.loss_weights), where, f"{section}.loss_weights", "must be >= 0")
+
+
 @dataclass
-class DPOConfig:
+class DPOConfig(PreferenceLosses):
     """Direct preference optimization of the policy adapter on preference pairs (lorarl.algos.dpo); the reference
     is the base with adapters off, or model.init_adapter frozen. Losses by TRL's names (lorarl.core.preference_losses)."""
 
@@ -278,39 +309,15 @@ class DPOConfig:
     task_source: str | None = None  # held-out prompts for the greedy task evaluation (e.g. arithmetic); null: none
 
     @property
-    def loss_types(self) -> tuple[str, ...]:
-        """``loss_type`` as a tuple (one name or TRL's list)."""
-        return (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
-
-    @property
-    def losses(self) -> tuple[tuple[str, float], ...]:
-        """``((loss type, weight), ...)``: ``loss_weights`` or 1 each."""
-        weights = self.loss_weights if self.loss_weights is not None else [1.0] * len(self.loss_types)
-        return tuple(zip(self.loss_types, (float(w) for w in weights)))
-
-    @property
     def needs_reference(self) -> bool:
         """Whether any loss reads the reference's log-probs (simpo and sft do not)."""
         return any(t in PAIRWISE_NEEDING_REFERENCE for t in self.loss_types)
 
     def validate(self, where: str) -> None:
         types = self.loss_types
-        check(len(types) >= 1, where, "dpo.loss_type", "names at least one loss")
-        check(len(set(types)) == len(types), where, "dpo.loss_type", f"names a loss twice: {list(types)}")
-        check(
-            any(t != "sft" for t in types),
-            where,
-            "dpo.loss_type",
-            "sft needs a preference loss beside it (e.g. [sigmoid, sft]); for SFT alone use algo: sft",
+        self.check_losses(
+            where, "dpo", "sft needs a preference loss beside it (e.g. [sigmoid, sft]); for SFT alone use algo: sft"
         )
-        if self.loss_weights is not None:
-            check(
-                len(self.loss_weights) == len(types),
-                where,
-                "dpo.loss_weights",
-                f"has {len(self.loss_weights)} weight(s) for {len(types)} loss type(s) {list(types)}",
-            )
-            check(all(w >= 0 for w in self.loss_weights), where, "dpo.loss_weights", "must be >= 0")
         check(self.beta > 0, where, "dpo.beta", "must be > 0")
         check(0 <= self.label_smoothing < 0.5, where, "dpo.label_smoothing", "must be in [0, 0.5)")
         unsmoothed = [t for t in types if t not in (*LABEL_SMOOTHED, "sft")]
@@ -326,6 +333,35 @@ class DPOConfig:
         check(self.max_tokens_per_forward >= 0, where, "dpo.max_tokens_per_forward", "must be >= 0")
 
 
+OnlineDPOLossName = Literal["sigmoid", "hinge", "ipo", "sft"]
+
+
+@dataclass
+class OnlineDPOConfig(PreferenceLosses):
+    """Online DPO (TRL's OnlineDPOTrainer; lorarl.algos.online_dpo): each step samples two completions per prompt
+    with the policy (generation section), ranks them with the reward section (rule functions, the reward adapter, or
+    both) and trains the DPO loss on (higher, lower) against the reference (adapters off, or model.init_adapter
+    frozen). train.prompts_per_step prompts per step from data.source, as RL."""
+
+    # sigmoid = DPO (TRL's default), hinge, ipo; a list adds TRL 1.x's weighted terms, e.g. [sigmoid, sft] (RPO)
+    loss_type: Union[OnlineDPOLossName, list[OnlineDPOLossName]] = "sigmoid"  # noqa: UP007  the loader reads Union
+    loss_weights: list[float] | None = None  # one weight per loss_type entry (default: 1 each)
+    beta: float = 0.1  # DPO's beta (IPO's tau)
+    missing_eos_penalty: float | None = None  # TRL's: subtracted from the reward of a completion cut without EOS
+    max_tokens_per_forward: int = 2048  # length-sorted forwards of at most this many padded tokens; 0 = one forward
+
+    def validate(self, where: str) -> None:
+        self.check_losses(where, "online_dpo", "sft needs a preference loss beside it (e.g. [sigmoid, sft])")
+        check(self.beta > 0, where, "online_dpo.beta", "must be > 0")
+        check(
+            self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+            where,
+            "online_dpo.missing_eos_penalty",
+            "must be >= 0 (it is subtracted)",
+        )
+        check(self.max_tokens_per_forward >= 0, where, "online_dpo.max_tokens_per_forward", "must be >= 0")
+
+
 # The algorithm sections, and the shared sections each algorithm reads (others are refused in a recipe).
 ALGO_SECTIONS: dict[str, type] = {
     "grpo": GRPOConfig,
@@ -334,6 +370,7 @@ ALGO_SECTIONS: dict[str, type] = {
     "sft": SFTConfig,
     "rejection_sampling": RejectionSamplingConfig,
     "dpo": DPOConfig,
+    "online_dpo": OnlineDPOConfig,
 }
 SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
 USES = {
@@ -343,5 +380,6 @@ USES = {
     "sft": SHARED_SECTIONS + ("agent",),  # reward, generation, agent: held-out evaluation decodes like RL
     "rejection_sampling": SHARED_SECTIONS,
     "dpo": SHARED_SECTIONS,  # reward and generation: the held-out task evaluation (dpo.task_source)
+    "online_dpo": SHARED_SECTIONS,  # prompts, the reward that ranks the two samples, sampling
 }
 TRAINS_ON_SAMPLES = ("grpo", "ppo")

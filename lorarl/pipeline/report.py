@@ -81,6 +81,11 @@ def stage_notes(algo: str, summary: dict) -> str:
             f"{summary.get('steps')} steps on {summary.get('train_pairs')} pairs, held-out implicit-reward accuracy "
             f"{percent(summary.get('preference_accuracy'))}"
         )
+    if algo == "online_dpo":
+        return (
+            f"{summary.get('steps')} steps, reward of the samples {number(summary.get('reward_first10'))} -> "
+            f"{number(summary.get('reward_last10'))}"
+        )
     if algo == "reward_model":
         return f"held-out pairwise accuracy {percent(summary.get('pairwise_accuracy'))}"
     if algo in ("grpo", "ppo"):

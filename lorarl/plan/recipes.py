@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lorarl.config import GRPOConfig, PPOConfig
+from lorarl.config import GRPOConfig, GRPOKLConfig, PPOConfig
 from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import pick_micro_batch
@@ -17,6 +17,10 @@ from lorarl.plan.terms import GB
 
 ARITHMETIC_PROMPT_TOKENS = 96  # a chat-templated arithmetic question with a system prompt stays well below this
 CPU_DEFAULT_MICRO_BATCH = 8
+
+
+# recipes whose step the planner models: its own steps, and online DPO as a GRPO step of 2 samples per prompt
+PLANNED_RECIPES = (*PLANNED_ALGOS, "online_dpo")
 
 
 def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
@@ -34,10 +38,14 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
     if recipe.data.source == "arithmetic":
         prompt_len = min(prompt_len, ARITHMETIC_PROMPT_TOKENS)
     mb = recipe.train.micro_batch_size
-    # (rejection sampling, generation only, is planned as a GRPO step of its shape: an upper bound)
+    # (rejection sampling, generation only, is planned as a GRPO step of its shape: an upper bound; online DPO as a
+    # GRPO step of 2 samples per prompt with the reference pass: sampling, scoring, a reference forward and the
+    # policy's forward / backward over the same rows)
     algo = recipe.algo if recipe.algo in PLANNED_ALGOS else "grpo"
     g = recipe.generation
     grpo = recipe.grpo if recipe.grpo is not None else GRPOConfig()
+    if recipe.algo == "online_dpo":
+        grpo = GRPOConfig(group_size=2, kl=GRPOKLConfig(coef=recipe.online_dpo.beta))
     ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
     if algo == "dpo":
         return dpo_settings(recipe, device_type, quant, dtype_bytes)

@@ -1,0 +1,279 @@
+"""Online DPO on the shared base (TRL's ``OnlineDPOTrainer``): the pairs come from the policy itself, ranked by the
+recipe's reward, instead of from a fixed preference dataset.
+
+Read :meth:`OnlineDPO.step` top to bottom (the run loop, :mod:`lorarl.algos.loop`, does checkpoints, resume,
+evaluation, logging and the plot):
+
+1. ``train.prompts_per_step`` prompts from ``data.source`` (RL's prompts and rendering), derived from
+   ``(seed, step)``;
+2. two completions per prompt sampled with the policy (``generation``: temperature, length; one engine call, the
+   prompt prefilled once for both), the token ids kept as sampled;
+3. both scored by the ``reward`` section (rule functions / verifiers, the reward adapter, or both: what GRPO and PPO
+   use) minus ``online_dpo.missing_eos_penalty`` for a completion cut without EOS; per prompt the higher is
+   ``chosen``, the lower ``rejected`` (:func:`rank_pairs`; a tie is no pair);
+4. the reference's summed log-probs of the pairs, without gradients (adapters off, or ``model.init_adapter``
+   frozen), then one optimizer step of the DPO loss (:mod:`lorarl.core.preference_losses`, TRL's names) over
+   micro-batches of pairs, each pair's prompt run once for both responses;
+5. metrics by TRL's names: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+   ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``objective/scores``, ``objective/scores_margin``,
+   ``val/contain_eos_token``, ``beta``; and lorarl's ``pairs``, ``pairs/ties``, ``reward``.
+
+Differences from TRL, on purpose: a prompt whose two completions score the same gives no pair (TRL keeps it with
+the first completion as chosen, an arbitrary label: with a 0/1 verifier most groups tie early on); the pairs are
+scored on the token ids the sampler drew (TRL decodes and scores text for reward functions too: so does lorarl,
+but trains on the sampled ids, never on re-tokenized text).
+
+:meth:`OnlineDPO.evaluate`: the greedy held-out task evaluation RL uses (``eval/accuracy``, ``eval/reward``, the
+reward adapter's ``eval/rm_score`` when the reward section has one).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lorarl.algos.base import (
+    batch_indices,
+    evaluate_policy,
+    load_train_prompts,
+    micro_batch_rows,
+    planned_micro_batch,
+    tail_mean,
+    trained_role,
+)
+from lorarl.algos.dpo import dpo_loss
+from lorarl.algos.dpo_scoring import role_logps
+from lorarl.config import Recipe
+from lorarl.core.preference_losses import combined_loss
+from lorarl.core.schedules import advance
+from lorarl.data.pairs import PairSet
+from lorarl.model import REFERENCE, SharedBase
+from lorarl.phases import phase
+from lorarl.rewards.source import reward_source
+from lorarl.rollout import Rollout, generate_rollout
+from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
+
+POLICY = "policy"
+SAMPLES_PER_PROMPT = 2
+
+PLOT_PANELS = (
+    ("DPO loss", ("loss",)),
+    ("reward of the samples (mean, chosen - rejected)", ("objective/scores", "objective/scores_margin")),
+    ("implicit-reward accuracy", ("rewards/accuracies",)),
+    ("held-out accuracy", ("eval/accuracy",)),
+)
+
+
+def rank_pairs(
+    rewards: Tensor, truncated: Tensor, missing_eos_penalty: float | None = None
+) -> tuple[list[int], list[int], int]:
+    """Two completions per prompt (rows ``2i`` and ``2i + 1``) -> ``(chosen rows, rejected rows, ties)``.
+
+    ``score_j = reward_j - missing_eos_penalty * [row j was cut without EOS]`` (TRL's penalty); per prompt the row
+    with the higher score is chosen and the other rejected. A prompt whose two scores are equal, or either NaN (no
+    reward value), gives no pair and counts in ``ties`` (TRL's OnlineDPOTrainer keeps a tie with the first row as
+    chosen: a preference the reward never expressed).
+
+    Example: rewards ``[1, 0, 0.5, 0.5, 0, 2]``, row 5 cut, penalty 3 -> scores ``[1, 0, 0.5, 0.5, 0, -1]``:
+    chosen ``[0, 4]``, rejected ``[1, 5]``, 1 tie.
+    """
+    scores = rewards.double().clone()
+    if missing_eos_penalty:
+        scores = scores - missing_eos_penalty * truncated.double()
+    chosen, rejected, ties = [], [], 0
+    for i in range(0, len(scores) - 1, SAMPLES_PER_PROMPT):
+        a, b = float(scores[i]), float(scores[i + 1])
+        if math.isnan(a) or math.isnan(b) or a == b:
+            ties += 1
+        elif a > b:
+            chosen.append(i)
+            rejected.append(i + 1)
+        else:
+            chosen.append(i + 1)
+            rejected.append(i)
+    return chosen, rejected, ties
+
+
+def sampled_pairs(rollout: Rollout, chosen: list[int], rejected: list[int]) -> PairSet:
+    """The ranked rows of ``rollout`` as an in-memory :class:`PairSet`: each pair's prompt ids (padding dropped) and
+    the two completions' ids exactly as sampled, through their EOS (the rollout's completion mask)."""
+
+    def ids(row: int) -> list[int]:
+        return rollout.completion_ids[row][rollout.completion_mask[row]].tolist()
+
+    prompts = [rollout.prompt_ids[c][rollout.prompt_mask[c]].tolist() for c in chosen]
+    rows = [
+        {"prompt_index": rollout.prompt_index[c], "chosen_row": c, "rejected_row": r} for c, r in zip(chosen, rejected)
+    ]
+    return PairSet(
+        pairs=rows,
+        prompt_ids=prompts,
+        chosen_ids=[ids(c) for c in chosen],
+        rejected_ids=[ids(r) for r in rejected],
+        source="online",
+    )
+
+
+@dataclass
+class OnlineBatch:
+    """Step ``step``'s prompts: rows ``prompt_index`` of the training prompts."""
+
+    step: int
+    prompt_index: list[int]
+
+
+class OnlineDPO:
+    """The policy adapter trained on its own ranked samples against the reference: set-up, then :meth:`step`."""
+
+    name = "online_dpo"
+    plot_panels = PLOT_PANELS
+
+    def __init__(self, recipe: Recipe, shared: SharedBase):
+        self.recipe, self.shared = recipe, shared
+        cfg, tcfg = recipe.online_dpo, recipe.train
+        init = recipe.model.init_adapter
+        if init:  # continue an adapter (e.g. an SFT or offline-DPO run): it is also the frozen reference
+            shared.add_adapter(POLICY, init_from=init, trainable=True)
+            shared.add_adapter(REFERENCE, init_from=init, trainable=False)
+        else:  # the reference is the bare base: REFERENCE without an adapter of that name disables adapters
+            shared.add_adapter(POLICY, recipe.lora)
+        self.roles = self.outputs = [POLICY]
+        self.final_eval = True  # the summary reports the held-out task evaluation
+        self.prompts = load_train_prompts(recipe, shared.tokenizer)
+        rows = tcfg.prompts_per_step * SAMPLES_PER_PROMPT
+        self.source = reward_source(recipe, shared, micro_batch_rows(recipe.eval.batch_size, rows))
+        self.total_steps = self.last_step = tcfg.steps
+        self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)
+        self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
+        # micro-batches of pairs (2 responses each), as offline DPO counts them; the planner's `auto` pick counts
+        # rows (it plans the step as GRPO with 2 samples per prompt)
+        planned = planned_micro_batch(recipe, shared.device.type)
+        self.mbs = micro_batch_rows(
+            tcfg.micro_batch_size, tcfg.prompts_per_step, None if planned is None else max(1, planned // 2)
+        )
+        self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
+        self.loss_fn = functools.partial(combined_loss, losses=cfg.losses, beta=cfg.beta)
+        self.eval_result: dict | None = None
+
+    def batch(self, step: int) -> OnlineBatch:
+        """1. Step ``step``'s prompts, derived from ``(seed, step)``."""
+        tcfg = self.recipe.train
+        return OnlineBatch(step, batch_indices(len(self.prompts), tcfg.prompts_per_step, tcfg.seed, step))
+
+    def step(self, batch: OnlineBatch) -> dict:
+        """One online DPO step on ``batch``'s prompts; returns its metrics."""
+        shared, cfg, tcfg = self.shared, self.recipe.online_dpo, self.recipe.train
+        prompt_index = batch.prompt_index
+
+        # 2. Two completions per prompt from the policy ------------------------------------------------------------
+        rollout = generate_rollout(
+            shared,
+            [self.prompts.token_ids[i] for i in prompt_index],
+            self.recipe.generation,
+            group_size=SAMPLES_PER_PROMPT,
+            role=POLICY,
+            prompt_index=prompt_index,
+        )
+
+        # 3. Rewards, then the ranking --------------------------------------------------------------------------------
+        with phase("rewards"):
+            scored = self.source.score_rollout(self.prompts, rollout)
+        chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty)
+        metrics = self.sample_metrics(rollout, scored.total, chosen, rejected, ties)
+        metrics.update(scored.means())
+        if not chosen:  # every prompt tied: nothing to prefer (the schedule still advances, as an empty GRPO step)
+            advance(self.policy.scheduler)
+            return {**metrics, "loss": float("nan"), "skipped_updates": self.guard.skipped}
+        pairs = sampled_pairs(rollout, chosen, rejected)
+        rows = list(range(len(pairs)))
+
+        # 4. Reference log-probs, then one optimizer step over micro-batches of pairs -------------------------------
+        with phase("reference"):
+            ref = role_logps(shared, REFERENCE, pairs, rows, self.mbs, cfg.max_tokens_per_forward)
+        chosen_tokens = float(sum(len(c) for c in pairs.chosen_ids))
+        loss_fn = functools.partial(
+            dpo_loss, shared, pairs, rows, ref, self.loss_fn, len(rows), chosen_tokens, cfg.max_tokens_per_forward
+        )
+        # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
+        with phase("training"), shared.role(POLICY, train=True, dropout=True):
+            result = optimizer_step(
+                self.policy.params,
+                self.policy.optimizer,
+                micro_batches(len(rows), self.mbs),
+                loss_fn,
+                max_grad_norm=tcfg.max_grad_norm,
+                scaler=self.policy.scaler,
+            )
+        advance(self.policy.scheduler)
+        self.guard.check(result, batch.step)
+
+        # 5. Metrics (TRL's names) ----------------------------------------------------------------------------------
+        return {
+            **metrics,
+            "loss": result.loss,
+            **result.stats,
+            "grad_norm": result.grad_norm,
+            "learning_rate": result.lr,
+            "skipped_updates": self.guard.skipped,
+            **self.guard.loss_scale_metrics(),  # fp16 bases only
+            "tokens": float(
+                sum(
+                    2 * len(p) + len(c) + len(r)
+                    for p, c, r in zip(pairs.prompt_ids, pairs.chosen_ids, pairs.rejected_ids)
+                )
+            ),
+        }
+
+    def sample_metrics(self, rollout: Rollout, total: Tensor, chosen: list[int], rejected: list[int], ties: int):
+        """What the step sampled: TRL's ``objective/scores`` (mean reward), ``objective/scores_margin`` (chosen -
+        rejected over the pairs), ``val/contain_eos_token``; the pair / tie counts, completion lengths, ``beta``."""
+        valid = total[~torch.isnan(total)]
+        margin = (total[chosen] - total[rejected]).mean() if chosen else torch.tensor(float("nan"))
+        lengths = rollout.completion_mask.sum(dim=1).float()
+        return {
+            "reward": float(valid.mean()) if len(valid) else float("nan"),
+            "objective/scores": float(valid.mean()) if len(valid) else float("nan"),
+            "objective/scores_margin": float(margin),
+            "val/contain_eos_token": float((~rollout.truncated).float().mean()),
+            "pairs": float(len(chosen)),
+            "pairs/ties": float(ties),
+            "completions/mean_length": float(lengths.mean()),
+            "beta": self.recipe.online_dpo.beta,
+        }
+
+    def evaluate(self) -> dict:
+        """The greedy held-out task evaluation (``eval/accuracy``, ``eval/reward``, ``eval/rm_score``, ...)."""
+        out = evaluate_policy(self)
+        self.eval_result = out
+        return out
+
+    def progress(self, row: dict) -> dict:
+        return {"loss": f"{row['loss']:.3f}", "reward": f"{row.get('reward', float('nan')):.2f}"}
+
+    def state_dict(self) -> dict:
+        return {"guard": self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.guard.load_state_dict(state["guard"])
+
+    def finish(self, run_dir, history: list[dict]) -> dict:
+        """The policy adapter at ``run_dir/policy``; the summary's fields."""
+        self.shared.save_adapter(POLICY, run_dir / POLICY)
+        ev = self.eval_result or {}
+        return {
+            "policy": str(run_dir / POLICY),
+            "loss_type": self.recipe.online_dpo.loss_type,
+            "loss_first10": tail_mean(history, "loss", head=True),
+            "loss_last10": tail_mean(history, "loss"),
+            "reward_first10": tail_mean(history, "reward", head=True),
+            "reward_last10": tail_mean(history, "reward"),
+            "pairs_last10": tail_mean(history, "pairs"),
+            "task_accuracy": ev.get("eval/accuracy"),
+            "skipped_updates": self.guard.skipped,
+            "reward_failures": self.source.failures,
+            "data_rows": len(self.prompts),
+        }

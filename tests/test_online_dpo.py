@@ -1,0 +1,192 @@
+"""Online DPO (TRL's OnlineDPOTrainer) on the tiny model: the ranking of two samples per prompt by hand; the pairs
+keep the sampled token ids; step 1's loss is log 2 (policy = reference) and a learnable reward rises; every prompt
+tied is no update; resume is bit-identical; the recipe's checks; `lorarl plan` and `lorarl eval` on it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_grpo import TARGET_REWARD, peaky_model_dir  # noqa: F401  (the learnable reward and its model fixture)
+
+from lorarl.algos.loop import train
+from lorarl.algos.online_dpo import rank_pairs, sampled_pairs
+from lorarl.cli import main
+from lorarl.config import recipe_from_dict
+from lorarl.errors import RecipeError
+from lorarl.rollout import Rollout
+from lorarl.runs import read_metrics
+
+
+# ---- the ranking (pure) ---------------------------------------------------------------------------------------
+def test_rank_pairs_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 2.0])
+    cut = torch.tensor([False, False, False, False, False, True])
+    # scores with penalty 3: [1, 0, 0.5, 0.5, 0, -1] -> prompt 0: row 0 > row 1; prompt 1 tie; prompt 2: 4 > 5
+    assert rank_pairs(rewards, cut, 3.0) == ([0, 4], [1, 5], 1)
+    # no penalty: prompt 2 is row 5 over row 4
+    assert rank_pairs(rewards, cut, None) == ([0, 5], [1, 4], 1)
+    # a NaN (no reward value) is no pair either; the lower of two is rejected whatever its position
+    nan = torch.tensor([float("nan"), 1.0, -2.0, -1.0])
+    assert rank_pairs(nan, torch.zeros(4, dtype=torch.bool)) == ([3], [2], 1)
+    # a penalty only matters where it changes the order: 0.2 cut vs 0.1 not cut, penalty 0.05 -> 0.15 still wins
+    assert rank_pairs(torch.tensor([0.2, 0.1]), torch.tensor([True, False]), 0.05) == ([0], [1], 0)
+    assert rank_pairs(torch.tensor([0.2, 0.1]), torch.tensor([True, False]), 0.5) == ([1], [0], 0)
+
+
+def test_sampled_pairs_keep_the_sampled_ids_through_eos():
+    """Prompts left padded (0), completions right padded; pad == EOS (7) here, so only the mask tells the EOS from
+    padding: the pair's ids end with the sampled EOS and carry no padding."""
+    ro = Rollout(
+        prompt_ids=torch.tensor([[0, 5, 6], [0, 5, 6], [8, 9, 10], [8, 9, 10]]),
+        prompt_mask=torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=torch.bool),
+        completion_ids=torch.tensor([[11, 7, 7], [12, 13, 7], [14, 15, 16], [17, 7, 7]]),
+        completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool),
+        truncated=torch.tensor([False, False, True, False]),
+        completions=["a", "b", "c", "d"],
+        prompt_index=[3, 3, 9, 9],
+        group_size=2,
+    )
+    pairs = sampled_pairs(ro, chosen=[1, 3], rejected=[0, 2])
+    assert pairs.prompt_ids == [[5, 6], [8, 9, 10]]
+    assert pairs.chosen_ids == [[12, 13, 7], [17, 7]]
+    assert pairs.rejected_ids == [[11, 7], [14, 15, 16]]  # the cut one has no EOS: exactly what was sampled
+    assert [p["prompt_index"] for p in pairs.pairs] == [3, 9] and len(pairs) == 2
+
+
+# ---- training on the tiny model -------------------------------------------------------------------------------
+def online_recipe(model_dir, reward_file, **sections):
+    d = {
+        "algo": "online_dpo",
+        "model": {"name": str(model_dir), "quantization": "none", "dtype": "float32", "gradient_checkpointing": False},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"train_size": 64, "eval_size": 8},
+        "reward": {"functions": [{"name": f"{reward_file}:in_target", "kwargs": {"model_dir": str(model_dir)}}]},
+        "generation": {"max_new_tokens": 4, "temperature": 1.0},
+        "train": {"steps": 16, "prompts_per_step": 8, "micro_batch_size": 8, "learning_rate": 1e-2, "seed": 0},
+        "online_dpo": {"beta": 0.1},
+        "eval": {"n": 8, "batch_size": 8},
+    }
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    d["train"]["report_to"] = []
+    return recipe_from_dict(d)
+
+
+@pytest.fixture()
+def reward_file(tmp_path):
+    f = tmp_path / "tiny_rewards.py"
+    f.write_text(TARGET_REWARD)
+    return f
+
+
+def test_loss_starts_at_log2_and_the_reward_rises(peaky_model_dir, reward_file, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    summary = train(online_recipe(peaky_model_dir, reward_file), out)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    first = rows[0]
+    # step 1: the policy is the reference (LoRA B = 0): every implicit reward 0, the DPO loss log 2
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0
+    assert first["pairs"] + first["pairs/ties"] == 8  # 8 prompts, each a pair or a tie
+    assert first["objective/scores_margin"] > 0  # chosen scored above rejected, by construction
+    early = sum(r["reward"] for r in rows[:5]) / 5
+    late = sum(r["reward"] for r in rows[-5:]) / 5
+    assert early < 0.15 and late > early + 0.15, (early, late)  # ~10% of tokens in the target set at the start
+    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "val/contain_eos_token"):
+        assert key in first, key
+    assert summary["reward_last10"] > summary["reward_first10"]
+    assert (out / "policy" / "adapter_model.safetensors").is_file() and (out / "plot.png").is_file()
+    assert "eval/accuracy" in rows[-1]  # the held-out task evaluation at the end
+
+
+def test_every_prompt_tied_is_no_update(peaky_model_dir, tmp_path):  # noqa: F811
+    """A reward that never prefers (constant): no pair, the adapter stays at its initial values."""
+    f = tmp_path / "flat.py"
+    f.write_text("def flat(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    recipe = online_recipe(peaky_model_dir, tmp_path, reward={"functions": [{"name": f"{f}:flat"}]}, train={"steps": 2})
+    out = tmp_path / "run"
+    train(recipe, out)
+    rows = read_metrics(out)
+    assert all(r["pairs"] == 0 and r["pairs/ties"] == 8 and r["loss"] is None for r in rows)  # NaN: written null
+    lora_b = [v for k, v in load_file(str(out / "policy" / "adapter_model.safetensors")).items() if "lora_B" in k]
+    assert lora_b and all(torch.count_nonzero(v) == 0 for v in lora_b)  # B starts at 0 and never moved
+
+
+def test_resume_is_bit_identical(peaky_model_dir, reward_file, tmp_path):  # noqa: F811
+    recipe = online_recipe(
+        peaky_model_dir,
+        reward_file,
+        lora={"dropout": 0.1},  # dropout draws from the RNG: the resume must restore it too
+        train={"steps": 6, "save_every": 2, "lr_scheduler": "cosine", "warmup_steps": 1},
+        eval={"every": 0},
+    )
+    train(recipe, tmp_path / "full")
+    train(recipe, tmp_path / "cut", max_steps=4)
+    train(recipe, tmp_path / "cut", resume=True)
+    want = load_file(str(tmp_path / "full" / "policy" / "adapter_model.safetensors"))
+    got = load_file(str(tmp_path / "cut" / "policy" / "adapter_model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [r["loss"] for r in full] == [r["loss"] for r in cut] and [r["pairs"] for r in full] == [
+        r["pairs"] for r in cut
+    ]
+
+
+def test_recipe_checks(tmp_path):
+    for section, bad, key in [
+        ({"loss_type": ["sft"]}, "sft needs a preference loss", "online_dpo.loss_type"),
+        ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "1 weight", "online_dpo.loss_weights"),
+        ({"beta": 0}, "must be > 0", "online_dpo.beta"),
+        ({"missing_eos_penalty": -1.0}, "must be >= 0", "online_dpo.missing_eos_penalty"),
+        ({"loss_type": "simpo"}, "simpo", "online_dpo.loss_type"),
+    ]:
+        with pytest.raises(RecipeError, match=key) as e:
+            recipe_from_dict({"algo": "online_dpo", "online_dpo": section})
+        assert bad in str(e.value), (section, str(e.value))
+    with pytest.raises(RecipeError, match="dpo"):  # offline DPO's section is not online DPO's
+        recipe_from_dict({"algo": "online_dpo", "dpo": {"beta": 0.2}})
+
+
+def test_plan_and_eval_cli(peaky_model_dir, reward_file, tmp_path, capsys):  # noqa: F811
+    """`lorarl plan` models an online DPO step as a GRPO step of two samples per prompt with a reference pass;
+    `lorarl eval` runs the task evaluation on the run's policy."""
+    import yaml
+
+    from lorarl.config import recipe_to_dict
+
+    recipe = online_recipe(peaky_model_dir, reward_file, train={"steps": 1})
+    path = tmp_path / "online.yaml"
+    path.write_text(yaml.safe_dump(recipe_to_dict(recipe)))
+    assert main(["plan", str(path), "--model-config", "llama-3.1-8b"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["settings"]["algo"] == "grpo" and plan["settings"]["group_size"] == 2
+    assert plan["settings"]["kl_coef"] > 0  # the reference pass is planned
+    train(recipe, tmp_path / "run")
+    capsys.readouterr()
+    assert main(["eval", str(path), "--checkpoint", str(tmp_path / "run"), "--n", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["n"] == 4 and "accuracy" in out
+
+
+def test_from_an_adapter_it_is_also_the_frozen_reference(peaky_model_dir, reward_file, tmp_path):  # noqa: F811
+    """Iterative DPO: starting from a trained adapter (here a 3-step online run), step 1's policy equals its
+    reference (that adapter, loaded again frozen), so every implicit reward is 0 and the loss is log 2 again; then
+    the policy moves away from it."""
+    train(online_recipe(peaky_model_dir, reward_file, train={"steps": 3}), tmp_path / "first")
+    start = tmp_path / "first" / "policy"
+    assert any(torch.count_nonzero(v) for k, v in load_file(str(start / "adapter_model.safetensors")).items())
+    recipe = online_recipe(
+        peaky_model_dir, reward_file, model={"init_adapter": str(start)}, train={"steps": 2}, eval={"every": 0}
+    )
+    train(recipe, tmp_path / "second")
+    first = read_metrics(tmp_path / "second")[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    before = load_file(str(start / "adapter_model.safetensors"))
+    after = load_file(str(tmp_path / "second" / "policy" / "adapter_model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved away from it
