@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from lorarl.algos.base import (
     batch_indices,
@@ -182,6 +183,10 @@ class OnlineDPO:
         # 3. Rewards, then the ranking --------------------------------------------------------------------------------
         with phase("rewards"):
             scored = self.source.score_rollout(self.prompts, rollout)
+        if scored.rules is not None:  # failures isolated as NaN (no pair), reported, and bounded as in GRPO
+            for name, err in scored.rules.failures.items():
+                tqdm.write(f"step {batch.step}: reward {name} failed ({err}); its values are left out")
+            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
         chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty)
         metrics = self.sample_metrics(rollout, scored.total, chosen, rejected, ties)
         metrics.update(scored.means())
