@@ -46,7 +46,11 @@ def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
 
     roll = rec["rollout"]["result"]
     r = roll["rows"][0]
-    assert r["model"] == "tiny:none" and r["batch"] == 2 and r["fast"]["ms_per_step"] > 0
+    assert r["model"] == "tiny:none" and r["batch"] == 2
+    # both engines decoded the 4 tokens; ms/step is a difference of two timings of a tiny model, so under load it
+    # can come out <= 0 (smoke figures mean nothing): only that it is a number is checked
+    for engine in ("fast", "hf"):
+        assert r[engine]["steps"] == 4 and min(r[engine]["wall_s"]) > 0 and math.isfinite(r[engine]["ms_per_step"])
     assert r["fast"]["cuda_graphs"] is False and r["fast"]["graph_failures"] == {}  # CPU: eager, nothing captured
     assert r["fast"]["eager_fallback"] is False and r["fast"]["unsupported_reason"] is None
     assert roll["targets"]["batch"] == 2 and isinstance(roll["targets"]["met"], bool)
