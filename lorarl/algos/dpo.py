@@ -151,6 +151,44 @@ def dpo_loss(
     return per_pair.sum() / batch_pairs, stats
 
 
+def pair_update(
+    shared: SharedBase,
+    policy,
+    pairs: PairSet,
+    rows: list[int],
+    ref: PairLogps | None,
+    loss_fn,
+    mbs: int,
+    max_tokens: int,
+    max_grad_norm: float,
+):
+    """Step 3 of DPO and online DPO: one optimizer step of the ``policy`` role (a :class:`TrainedRole`) on pairs
+    ``rows`` of ``pairs``, micro-batches of ``mbs`` pairs, each micro-batch's per-pair losses / the batch's pairs
+    (:func:`dpo_loss`; ``ref``: the reference's log-probs of ``rows`` in order, None when reference-free); the LR
+    schedule advanced. Returns the optimizer step's result."""
+    chosen_tokens = float(sum(len(pairs.chosen_ids[i]) for i in rows))
+    loss = functools.partial(dpo_loss, shared, pairs, rows, ref, loss_fn, len(rows), chosen_tokens, max_tokens)
+    # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
+    with phase("training"), shared.role(POLICY, train=True, dropout=True):
+        result = optimizer_step(
+            policy.params,
+            policy.optimizer,
+            micro_batches(len(rows), mbs),
+            loss,
+            max_grad_norm=max_grad_norm,
+            scaler=policy.scaler,
+        )
+    advance(policy.scheduler)
+    return result
+
+
+def pair_token_count(pairs: PairSet, rows: list[int]) -> float:
+    """Tokens the step's forwards read for pairs ``rows``: each prompt twice, both responses."""
+    return float(
+        sum(2 * len(pairs.prompt_ids[i]) + len(pairs.chosen_ids[i]) + len(pairs.rejected_ids[i]) for i in rows)
+    )
+
+
 class DPO:
     """The policy adapter trained on preference pairs against the reference: set-up, then :meth:`step` per batch."""
 
@@ -208,26 +246,13 @@ class DPO:
         ref = self.reference_logps(rows)
 
         # 3. One optimizer step: each micro-batch's per-pair losses / the batch's pairs -----------------------------
-        chosen_tokens = float(sum(len(self.train_pairs.chosen_ids[i]) for i in rows))
-        loss_fn = functools.partial(
-            dpo_loss, shared, self.train_pairs, rows, ref, self.loss_fn, len(rows), chosen_tokens, self.max_tokens
+        tp = self.train_pairs
+        result = pair_update(
+            shared, self.policy, tp, rows, ref, self.loss_fn, self.mbs, self.max_tokens, tcfg.max_grad_norm
         )
-        # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
-        with phase("training"), shared.role(POLICY, train=True, dropout=True):
-            result = optimizer_step(
-                self.policy.params,
-                self.policy.optimizer,
-                micro_batches(len(rows), self.mbs),
-                loss_fn,
-                max_grad_norm=tcfg.max_grad_norm,
-                scaler=self.policy.scaler,
-            )
-        advance(self.policy.scheduler)
         self.guard.check(result, step)
 
         # 4. Metrics (TRL's names) --------------------------------------------------------------------------------
-        tp = self.train_pairs
-        tokens = sum(2 * len(tp.prompt_ids[i]) + len(tp.chosen_ids[i]) + len(tp.rejected_ids[i]) for i in rows)
         return {
             "loss": result.loss,
             **result.stats,
@@ -236,7 +261,7 @@ class DPO:
             "epoch": (step - 1) * self.recipe.dpo.batch_size / len(tp),
             "skipped_updates": self.guard.skipped,
             **self.guard.loss_scale_metrics(),  # fp16 bases only
-            "tokens": float(tokens),
+            "tokens": pair_token_count(tp, rows),
         }
 
     def evaluate(self) -> dict:

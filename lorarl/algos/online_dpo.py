@@ -46,7 +46,7 @@ from lorarl.algos.base import (
     tail_mean,
     trained_role,
 )
-from lorarl.algos.dpo import dpo_loss
+from lorarl.algos.dpo import pair_token_count, pair_update
 from lorarl.algos.dpo_scoring import role_logps
 from lorarl.config import Recipe
 from lorarl.core.preference_losses import combined_loss
@@ -56,7 +56,7 @@ from lorarl.model import REFERENCE, SharedBase
 from lorarl.phases import phase
 from lorarl.rewards.source import reward_source
 from lorarl.rollout import Rollout, generate_rollout
-from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
+from lorarl.update import NonFiniteGuard
 
 POLICY = "policy"
 SAMPLES_PER_PROMPT = 2
@@ -199,21 +199,17 @@ class OnlineDPO:
         # 4. Reference log-probs, then one optimizer step over micro-batches of pairs -------------------------------
         with phase("reference"):
             ref = role_logps(shared, REFERENCE, pairs, rows, self.mbs, cfg.max_tokens_per_forward)
-        chosen_tokens = float(sum(len(c) for c in pairs.chosen_ids))
-        loss_fn = functools.partial(
-            dpo_loss, shared, pairs, rows, ref, self.loss_fn, len(rows), chosen_tokens, cfg.max_tokens_per_forward
+        result = pair_update(
+            shared,
+            self.policy,
+            pairs,
+            rows,
+            ref,
+            self.loss_fn,
+            self.mbs,
+            cfg.max_tokens_per_forward,
+            tcfg.max_grad_norm,
         )
-        # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
-        with phase("training"), shared.role(POLICY, train=True, dropout=True):
-            result = optimizer_step(
-                self.policy.params,
-                self.policy.optimizer,
-                micro_batches(len(rows), self.mbs),
-                loss_fn,
-                max_grad_norm=tcfg.max_grad_norm,
-                scaler=self.policy.scaler,
-            )
-        advance(self.policy.scheduler)
         self.guard.check(result, batch.step)
 
         # 5. Metrics (TRL's names) ----------------------------------------------------------------------------------
@@ -225,12 +221,7 @@ class OnlineDPO:
             "learning_rate": result.lr,
             "skipped_updates": self.guard.skipped,
             **self.guard.loss_scale_metrics(),  # fp16 bases only
-            "tokens": float(
-                sum(
-                    2 * len(p) + len(c) + len(r)
-                    for p, c, r in zip(pairs.prompt_ids, pairs.chosen_ids, pairs.rejected_ids)
-                )
-            ),
+            "tokens": pair_token_count(pairs, rows),
         }
 
     def sample_metrics(self, rollout: Rollout, total: Tensor, chosen: list[int], rejected: list[int], ties: int):
