@@ -275,7 +275,7 @@ def test_plan_line_on_this_machine(tmp_path):
     # the planner's own figure moves with the recipe: 4x the completion length costs more
     assert peak(recipes.plan_line(QUICKSTART, ["generation.max_new_tokens=64"])) > peak(line)
     assert "tensor peak" in recipes.plan_line(SHIPPED / "reward_model.yaml")  # the planner models its step
-    assert "tensor peak" in recipes.plan_line(SHIPPED / "online_dpo.yaml")  # as a GRPO step of 2 samples per prompt
+    assert "tensor peak" in recipes.plan_line(SHIPPED / "online_dpo.yaml")  # as a GRPO step of its 4 samples per prompt
     rs = tmp_path / "rs.yaml"
     rs.write_text(
         "algo: rejection_sampling\nmodel: {name: smollm2-135m}\nreward:\n  functions: [{name: numeric_match}]\n"

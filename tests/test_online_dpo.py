@@ -37,6 +37,27 @@ def test_rank_pairs_by_hand():
     assert rank_pairs(torch.tensor([0.2, 0.1]), torch.tensor([True, False]), 0.5) == ([1], [0], 0)
 
 
+def test_rank_pairs_best_against_worst_of_a_group():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 2.0])
+    cut = torch.zeros(6, dtype=torch.bool)
+    # 3 per prompt: [1, 0, 0.5] -> best row 0, worst row 1; [0.5, 0, 2] -> best row 5, worst row 4
+    assert rank_pairs(rewards, cut, None, group_size=3) == ([0, 5], [1, 4], 0)
+    # 4 per prompt (one group, the last 2 rows left over are not a group): best 0 (1.0), worst 1 (0.0)
+    assert rank_pairs(rewards[:4], cut[:4], None, group_size=4) == ([0], [1], 0)
+    # equal scores: the first sampled is chosen, the first sampled among the lowest rejected
+    assert rank_pairs(torch.tensor([2.0, 1.0, 2.0, 1.0]), cut[:4], None, group_size=4) == ([0], [1], 0)
+    # NaN rows are left out: [nan, 3, nan, 1] -> 1 over 3; a group with one scored row is no pair
+    nan = float("nan")
+    assert rank_pairs(torch.tensor([nan, 3.0, nan, 1.0]), cut[:4], None, group_size=4) == ([1], [3], 0)
+    assert rank_pairs(torch.tensor([nan, 3.0, nan, nan]), cut[:4], None, group_size=4) == ([], [], 1)
+    # all equal: a tie; the penalty applies before the ranking: row 2 (5, cut, penalty 4 -> 1) is the worst
+    assert rank_pairs(torch.ones(4), cut[:4], None, group_size=4) == ([], [], 1)
+    cut3 = torch.tensor([False, False, True, False])
+    assert rank_pairs(torch.tensor([2.0, 3.0, 5.0, 2.5]), cut3, 4.0, group_size=4) == ([1], [2], 0)
+    with pytest.raises(ValueError, match="group_size"):
+        rank_pairs(rewards, cut, None, group_size=1)
+
+
 def test_sampled_pairs_keep_the_sampled_ids_through_eos():
     """Prompts left padded (0), completions right padded; pad == EOS (7) here, so only the mask tells the EOS from
     padding: the pair's ids end with the sampled EOS and carry no padding."""
@@ -144,6 +165,7 @@ def test_recipe_checks(tmp_path):
         ({"beta": 0}, "must be > 0", "online_dpo.beta"),
         ({"missing_eos_penalty": -1.0}, "must be >= 0", "online_dpo.missing_eos_penalty"),
         ({"loss_type": "simpo"}, "simpo", "online_dpo.loss_type"),
+        ({"group_size": 1}, "must be >= 2", "online_dpo.group_size"),
     ]:
         with pytest.raises(RecipeError, match=key) as e:
             recipe_from_dict({"algo": "online_dpo", "online_dpo": section})
@@ -204,3 +226,41 @@ def test_a_failing_reward_is_counted_and_bounded(peaky_model_dir, reward_file, t
         train(recipe, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 3 and all(r["pairs"] == 0 and r["pairs/ties"] == 8 for r in rows)  # NaN rewards: no pair
+
+
+def test_a_group_of_four_trains_its_best_against_its_worst(peaky_model_dir, tmp_path):  # noqa: F811
+    """online_dpo.group_size 4: 4 samples per prompt scored (the reward sees 32 rows for 8 prompts); step 1's
+    ``objective/scores_margin`` is the mean of (best - worst) over the prompts that are not ties, computed here from
+    the scores the reward function wrote down."""
+    f = tmp_path / "logged.py"
+    f.write_text(
+        TARGET_REWARD
+        + "\nimport json\n"
+        + "def logged(prompts, completions, completion_ids, model_dir, log, **kwargs):\n"
+        + "    out = in_target(prompts, completions, completion_ids, model_dir)\n"
+        + "    with open(log, 'a') as fh:\n"
+        + "        fh.write(json.dumps(out) + '\\n')\n"
+        + "    return out\n"
+    )
+    log = tmp_path / "scores.jsonl"
+    recipe = online_recipe(
+        peaky_model_dir,
+        f,
+        reward={"functions": [{"name": f"{f}:logged", "kwargs": {"model_dir": str(peaky_model_dir), "log": str(log)}}]},
+        online_dpo={"group_size": 4},
+        train={"steps": 1},
+        eval={"every": 0, "n": 1},
+    )
+    train(recipe, tmp_path / "run")
+    step1 = json.loads(log.read_text().splitlines()[0])
+    assert len(step1) == 32  # 8 prompts x 4 samples, scored in one call
+    margins, ties = [], 0
+    for g in range(8):
+        group = step1[4 * g : 4 * g + 4]
+        if max(group) == min(group):
+            ties += 1
+        else:
+            margins.append(max(group) - min(group))
+    row = read_metrics(tmp_path / "run")[0]
+    assert row["pairs"] == len(margins) and row["pairs/ties"] == ties and margins
+    assert row["objective/scores_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-5)

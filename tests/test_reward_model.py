@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -223,3 +224,51 @@ def test_reward_model_pairs_end_with_the_end_of_turn_id(rm_run, tiny_model_dir):
     sb = SharedBase.load(recipe.model)
     pairs = load_pairs(recipe, sb, "train")
     assert {ids[-1] for ids in pairs.chosen_ids + pairs.rejected_ids} == {sb.end_of_turn_id}
+
+
+def test_reward_model_forms_script_scores_as_the_rl_loops_do(rm_run, tiny_model_dir, tmp_path, capsys):
+    """scripts/reward_model_forms.py (what the README's reward-model probe ran): each form's mean over the prompts,
+    with the right and a wrong sum; its batched, left-padded scores equal one unpadded row scored alone."""
+    import importlib.util
+    from pathlib import Path
+
+    from lorarl.config import load_recipe
+    from lorarl.data import load_prompts
+    from lorarl.model import SharedBase
+    from lorarl.rewards.source import add_reward_role, reward_model_scores
+
+    _, run, _, _ = rm_run
+    recipe_path = tmp_path / "arith.yaml"
+    recipe_path.write_text(
+        yaml.safe_dump(
+            {
+                "algo": "grpo",
+                "model": {"name": str(tiny_model_dir), "quantization": "none", "dtype": "float32"},
+                "data": {"source": "arithmetic", "train_size": 8, "eval_size": 3},
+            }
+        )
+    )
+    path = Path(__file__).resolve().parents[1] / "scripts" / "reward_model_forms.py"
+    spec = importlib.util.spec_from_file_location("reward_model_forms", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.main(["--recipe", str(recipe_path), "--reward-adapter", str(run), "--n", "3", "--offset", "7"])
+    assert out["n"] == 3 and set(out["forms"]) == set(script.FORMS)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["forms"].keys() == out["forms"].keys()
+
+    recipe = load_recipe(recipe_path)
+    shared = SharedBase.load(recipe.model)
+    add_reward_role(shared, run)
+    prompts = load_prompts(recipe.data, shared.tokenizer, "eval", size=3)
+    want = {"right": [], "wrong": []}
+    for i in range(3):
+        ids = list(prompts.token_ids[i])
+        a, b = (int(x) for x in re.findall(r"(\d+)\s*\+\s*(\d+)", shared.tokenizer.decode(ids))[0])
+        for kind, c in (("right", a + b), ("wrong", a + b + 7)):
+            row = ids + shared.tokenizer(f"{c} is the answer.", add_special_tokens=False)["input_ids"]
+            row = torch.tensor([row + [shared.end_of_turn_id]])
+            want[kind].append(float(reward_model_scores(shared, row, torch.ones_like(row), 1)[0]))
+    got = out["forms"]["is the answer"]
+    assert got["right"] == pytest.approx(sum(want["right"]) / 3, abs=1e-4)
+    assert got["wrong"] == pytest.approx(sum(want["wrong"]) / 3, abs=1e-4)
+    assert got["margin"] == pytest.approx(got["right"] - got["wrong"])

@@ -6,11 +6,11 @@ evaluation, logging and the plot):
 
 1. ``train.prompts_per_step`` prompts from ``data.source`` (RL's prompts and rendering), derived from
    ``(seed, step)``;
-2. two completions per prompt sampled with the policy (``generation``: temperature, length; one engine call, the
-   prompt prefilled once for both), the token ids kept as sampled;
-3. both scored by the ``reward`` section (rule functions / verifiers, the reward adapter, or both: what GRPO and PPO
-   use) minus ``online_dpo.missing_eos_penalty`` for a completion cut without EOS; per prompt the higher is
-   ``chosen``, the lower ``rejected`` (:func:`rank_pairs`; a tie is no pair);
+2. ``online_dpo.group_size`` completions per prompt (2: TRL's) sampled with the policy (``generation``: temperature,
+   length; one engine call, the prompt prefilled once for all), the token ids kept as sampled;
+3. all scored by the ``reward`` section (rule functions / verifiers, the reward adapter, or both: what GRPO and PPO
+   use) minus ``online_dpo.missing_eos_penalty`` for a completion cut without EOS; per prompt the highest is
+   ``chosen``, the lowest ``rejected`` (:func:`rank_pairs`: best-of-n against worst-of-n; a tie is no pair);
 4. the reference's summed log-probs of the pairs, without gradients (adapters off, or ``model.init_adapter``
    frozen), then one optimizer step of the DPO loss (:mod:`lorarl.core.preference_losses`, TRL's names) over
    micro-batches of pairs, each pair's prompt run once for both responses;
@@ -18,10 +18,11 @@ evaluation, logging and the plot):
    ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``objective/scores``, ``objective/scores_margin``,
    ``val/contain_eos_token``, ``beta``; and lorarl's ``pairs``, ``pairs/ties``, ``reward``.
 
-Differences from TRL, on purpose: a prompt whose two completions score the same gives no pair (TRL keeps it with
-the first completion as chosen, an arbitrary label: with a 0/1 verifier most groups tie early on); the pairs are
-scored on the token ids the sampler drew (TRL decodes and scores text for reward functions too: so does lorarl,
-but trains on the sampled ids, never on re-tokenized text).
+Differences from TRL, on purpose: a prompt whose best and worst completions score the same gives no pair (TRL keeps
+it with the first completion as chosen, an arbitrary label: with a 0/1 verifier most groups tie early on); the pairs
+are scored on the token ids the sampler drew (TRL decodes and scores text for reward functions too: so does lorarl,
+but trains on the sampled ids, never on re-tokenized text); more than 2 samples per prompt (``group_size``: TRL
+samples exactly 2) give best-against-worst pairs, as OpenRLHF's and RLHFlow's iterative DPO, and fewer ties.
 
 :meth:`OnlineDPO.evaluate`: the greedy held-out task evaluation RL uses (``eval/accuracy``, ``eval/reward``, the
 reward adapter's ``eval/rm_score`` when the reward section has one).
@@ -59,7 +60,6 @@ from lorarl.rollout import Rollout, generate_rollout
 from lorarl.update import NonFiniteGuard
 
 POLICY = "policy"
-SAMPLES_PER_PROMPT = 2
 
 PLOT_PANELS = (
     ("DPO loss", ("loss",)),
@@ -70,32 +70,39 @@ PLOT_PANELS = (
 
 
 def rank_pairs(
-    rewards: Tensor, truncated: Tensor, missing_eos_penalty: float | None = None
+    rewards: Tensor, truncated: Tensor, missing_eos_penalty: float | None = None, group_size: int = 2
 ) -> tuple[list[int], list[int], int]:
-    """Two completions per prompt (rows ``2i`` and ``2i + 1``) -> ``(chosen rows, rejected rows, ties)``.
+    """``group_size`` completions per prompt (rows ``gi .. gi + g - 1``) -> ``(chosen rows, rejected rows, ties)``.
 
     ``score_j = reward_j - missing_eos_penalty * [row j was cut without EOS]`` (TRL's penalty); per prompt the row
-    with the higher score is chosen and the other rejected. A prompt whose two scores are equal, or either NaN (no
-    reward value), gives no pair and counts in ``ties`` (TRL's OnlineDPOTrainer keeps a tie with the first row as
-    chosen: a preference the reward never expressed).
+    with the highest score is chosen and the row with the lowest rejected (with 2 rows: TRL's OnlineDPOTrainer; with
+    more: best-of-n against worst-of-n, the pairs of OpenRLHF's and RLHFlow's iterative DPO), the first sampled among
+    equal scores. Rows without a score (NaN: no reward value) are left out; a prompt with fewer than 2 scored rows,
+    or whose best and worst score are equal, gives no pair and counts in ``ties`` (TRL's OnlineDPOTrainer keeps a
+    tie with the first row as chosen: a preference the reward never expressed).
 
-    Example: rewards ``[1, 0, 0.5, 0.5, 0, 2]``, row 5 cut, penalty 3 -> scores ``[1, 0, 0.5, 0.5, 0, -1]``:
-    chosen ``[0, 4]``, rejected ``[1, 5]``, 1 tie.
+    Example: rewards ``[1, 0, 0.5, 0.5, 0, 2]``, row 5 cut, penalty 3, 2 per prompt -> scores
+    ``[1, 0, 0.5, 0.5, 0, -1]``: chosen ``[0, 4]``, rejected ``[1, 5]``, 1 tie. The same rewards, 3 per prompt,
+    no penalty: ``[1, 0, 0.5]`` -> (0, 1); ``[0.5, 0, 2]`` -> (5, 4).
     """
+    if group_size < 2:
+        raise ValueError(f"rank_pairs: group_size must be >= 2, got {group_size}")
     scores = rewards.double().clone()
     if missing_eos_penalty:
         scores = scores - missing_eos_penalty * truncated.double()
     chosen, rejected, ties = [], [], 0
-    for i in range(0, len(scores) - 1, SAMPLES_PER_PROMPT):
-        a, b = float(scores[i]), float(scores[i + 1])
-        if math.isnan(a) or math.isnan(b) or a == b:
+    for start in range(0, len(scores) - group_size + 1, group_size):
+        rows = [j for j in range(start, start + group_size) if not math.isnan(float(scores[j]))]
+        if len(rows) < 2:
             ties += 1
-        elif a > b:
-            chosen.append(i)
-            rejected.append(i + 1)
+            continue
+        best = max(rows, key=lambda j: (float(scores[j]), -j))  # the first sampled among equal scores
+        worst = min(rows, key=lambda j: (float(scores[j]), j))
+        if float(scores[best]) == float(scores[worst]):
+            ties += 1
         else:
-            chosen.append(i + 1)
-            rejected.append(i)
+            chosen.append(best)
+            rejected.append(worst)
     return chosen, rejected, ties
 
 
@@ -145,7 +152,7 @@ class OnlineDPO:
         self.roles = self.outputs = [POLICY]
         self.final_eval = True  # the summary reports the held-out task evaluation
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
-        rows = tcfg.prompts_per_step * SAMPLES_PER_PROMPT
+        rows = tcfg.prompts_per_step * cfg.group_size
         self.source = reward_source(recipe, shared, micro_batch_rows(recipe.eval.batch_size, rows))
         self.total_steps = self.last_step = tcfg.steps
         self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)
@@ -170,12 +177,12 @@ class OnlineDPO:
         shared, cfg, tcfg = self.shared, self.recipe.online_dpo, self.recipe.train
         prompt_index = batch.prompt_index
 
-        # 2. Two completions per prompt from the policy ------------------------------------------------------------
+        # 2. group_size completions per prompt from the policy ------------------------------------------------------
         rollout = generate_rollout(
             shared,
             [self.prompts.token_ids[i] for i in prompt_index],
             self.recipe.generation,
-            group_size=SAMPLES_PER_PROMPT,
+            group_size=cfg.group_size,
             role=POLICY,
             prompt_index=prompt_index,
         )
@@ -187,7 +194,7 @@ class OnlineDPO:
             for name, err in scored.rules.failures.items():
                 tqdm.write(f"step {batch.step}: reward {name} failed ({err}); its values are left out")
             self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
-        chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty)
+        chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty, cfg.group_size)
         metrics = self.sample_metrics(rollout, scored.total, chosen, rejected, ties)
         metrics.update(scored.means())
         if not chosen:  # every prompt tied: nothing to prefer (the schedule still advances, as an empty GRPO step)

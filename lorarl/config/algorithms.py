@@ -338,10 +338,10 @@ OnlineDPOLossName = Literal["sigmoid", "hinge", "ipo", "sft"]
 
 @dataclass
 class OnlineDPOConfig(PreferenceLosses):
-    """Online DPO (TRL's OnlineDPOTrainer; lorarl.algos.online_dpo): each step samples two completions per prompt
-    with the policy (generation section), ranks them with the reward section (rule functions, the reward adapter, or
-    both) and trains the DPO loss on (higher, lower) against the reference (adapters off, or model.init_adapter
-    frozen). train.prompts_per_step prompts per step from data.source, as RL."""
+    """Online DPO (TRL's OnlineDPOTrainer; lorarl.algos.online_dpo): each step samples group_size completions per
+    prompt with the policy (generation section), ranks them with the reward section (rule functions, the reward
+    adapter, or both) and trains the DPO loss on (highest, lowest) against the reference (adapters off, or
+    model.init_adapter frozen). train.prompts_per_step prompts per step from data.source, as RL."""
 
     # sigmoid = DPO (TRL's default), hinge, ipo; a list adds TRL 1.x's weighted terms, e.g. [sigmoid, sft] (RPO)
     loss_type: Union[OnlineDPOLossName, list[OnlineDPOLossName]] = "sigmoid"  # noqa: UP007  the loader reads Union
@@ -349,8 +349,11 @@ class OnlineDPOConfig(PreferenceLosses):
     beta: float = 0.1  # DPO's beta (IPO's tau)
     missing_eos_penalty: float | None = None  # TRL's: subtracted from the reward of a completion cut without EOS
     max_tokens_per_forward: int = 2048  # length-sorted forwards of at most this many padded tokens; 0 = one forward
+    # completions sampled per prompt: 2 = TRL's pairs; more = best-of-n against worst-of-n (OpenRLHF's iterative DPO)
+    group_size: int = 2
 
     def validate(self, where: str) -> None:
+        check(self.group_size >= 2, where, "online_dpo.group_size", "must be >= 2 (a pair needs two completions)")
         self.check_losses(where, "online_dpo", "sft needs a preference loss beside it (e.g. [sigmoid, sft])")
         check(self.beta > 0, where, "online_dpo.beta", "must be > 0")
         check(

@@ -39,13 +39,14 @@ def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
         prompt_len = min(prompt_len, ARITHMETIC_PROMPT_TOKENS)
     mb = recipe.train.micro_batch_size
     # (rejection sampling, generation only, is planned as a GRPO step of its shape: an upper bound; online DPO as a
-    # GRPO step of 2 samples per prompt with the reference pass: sampling, scoring, a reference forward and the
-    # policy's forward / backward over the same rows)
+    # GRPO step of online_dpo.group_size samples per prompt with the reference pass: sampling, scoring, a reference
+    # forward and the policy's forward / backward over the same rows; an upper bound past 2 samples, where only the
+    # best and the worst of each prompt are trained on)
     algo = recipe.algo if recipe.algo in PLANNED_ALGOS else "grpo"
     g = recipe.generation
     grpo = recipe.grpo if recipe.grpo is not None else GRPOConfig()
     if recipe.algo == "online_dpo":
-        grpo = GRPOConfig(group_size=2, kl=GRPOKLConfig(coef=recipe.online_dpo.beta))
+        grpo = GRPOConfig(group_size=recipe.online_dpo.group_size, kl=GRPOKLConfig(coef=recipe.online_dpo.beta))
     ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
     if algo == "dpo":
         return dpo_settings(recipe, device_type, quant, dtype_bytes)
