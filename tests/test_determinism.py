@@ -157,6 +157,9 @@ def _train(out: Path, *extra: str, fault: str | None = None, wait: bool = True) 
         env["LORARL_FAULT"] = fault
     cmd = [sys.executable, "-m", "lorarl.cli", "train", str(ROOT / "recipes" / "grpo_arithmetic.yaml")]
     cmd += ["--out", str(out), "--max-steps", "3", "--save-every", "1", "--seed", "7", *extra]
+    # half the recipe's 8 prompts per step (groups of 8 kept, so a prompt's rows still fall on both threads): the
+    # test's 5 processes run ~10 steps, the suite's longest test
+    cmd += ["train.prompts_per_step=4"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if wait:
         _, err = proc.communicate(timeout=900)

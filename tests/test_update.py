@@ -150,7 +150,7 @@ def test_seq_mean_reduction_matches_hand_formula(grpo_setup):
     r.old_logprobs = None  # num_iterations == 1: the detached current log-probs are the old ones
     cfg = GRPOConfig(loss_reduction="seq_mean_token_mean", kl=GRPOKLConfig(coef=0.0))
     loss, stats = _setup_loss(sb, r, adv, cfg, torch.arange(8), use_reference=False)
-    assert float(loss) == pytest.approx(-float(adv.mean()), abs=1e-6)  # each row's token mean of -A_i is -A_i
+    assert loss.item() == pytest.approx(-float(adv.mean()), abs=1e-6)  # each row's token mean of -A_i is -A_i
     assert stats["clip_frac_low"][0] == 0 and stats["clip_frac_high"][0] == 0
     assert "kl" not in stats
 
@@ -167,7 +167,7 @@ def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(grpo_setup):
         out = [p.grad.clone() for p in params]
         for p in params:
             p.grad = None
-        return float(loss), out
+        return loss.item(), out
 
     full_loss, full = grads(torch.arange(8))
     part_loss, part = grads((adv != 0).nonzero().squeeze(1))

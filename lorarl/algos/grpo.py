@@ -272,8 +272,6 @@ class GRPO:
         3. Rewards: rule functions (each once on the batch; failures isolated as NaN and counted) and/or the frozen
            reward adapter's score at each response's last token.
         """
-        from tqdm.auto import tqdm
-
         cfg = self.recipe.grpo
         sampled = self.rollout_fn(  # single-turn, or multi-turn with tools (lorarl.agents.step), chosen at set-up
             prompt_index,
@@ -286,10 +284,7 @@ class GRPO:
         rollout, self.agent_metrics = sampled.rollout, sampled.metrics
         scored = self.source.score_rollout(self.prompts, rollout)
         scored.total = sampled.total_reward(scored.total)  # + the environment's get_reward(), when it has one
-        if scored.rules is not None:
-            for name, err in scored.rules.failures.items():
-                tqdm.write(f"step {step}: reward {name} failed ({err}); its values are left out")
-            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
+        self.source.report_failures(scored, step, self.recipe.reward.max_failure_fraction, "its values are left out")
         return rollout, scored
 
     def fill_groups(

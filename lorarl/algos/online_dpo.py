@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from lorarl.algos.base import (
     batch_indices,
@@ -190,10 +189,10 @@ class OnlineDPO:
         # 3. Rewards, then the ranking --------------------------------------------------------------------------------
         with phase("rewards"):
             scored = self.source.score_rollout(self.prompts, rollout)
-        if scored.rules is not None:  # failures isolated as NaN (no pair), reported, and bounded as in GRPO
-            for name, err in scored.rules.failures.items():
-                tqdm.write(f"step {batch.step}: reward {name} failed ({err}); its values are left out")
-            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
+        # failures isolated as NaN (no pair), reported, and bounded as in GRPO
+        self.source.report_failures(
+            scored, batch.step, self.recipe.reward.max_failure_fraction, "its values are left out"
+        )
         chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty, cfg.group_size)
         metrics = self.sample_metrics(rollout, scored.total, chosen, rejected, ties)
         metrics.update(scored.means())

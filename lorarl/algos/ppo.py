@@ -175,8 +175,6 @@ class PPO:
 
     def step(self, batch: PromptBatch) -> dict:
         """One PPO step on ``batch``; returns its metrics."""
-        from tqdm.auto import tqdm
-
         shared, cfg, gen = self.shared, self.recipe.ppo, self.recipe.generation
         step = batch.step
 
@@ -203,10 +201,7 @@ class PPO:
 
         # ===== Phase 2. Reward: score at the final token, then the per-token KL penalty =========================
         scored = self.source.score_rollout(self.prompts, rollout)
-        if scored.rules is not None:
-            for name, err in scored.rules.failures.items():
-                tqdm.write(f"step {step}: reward {name} failed ({err}); counted as 0")
-            self.source.rules.check_failure_budget(self.recipe.reward.max_failure_fraction, scored.rules.failures)
+        self.source.report_failures(scored, step, self.recipe.reward.max_failure_fraction, "counted as 0")
         score = torch.nan_to_num(sampled.total_reward(scored.total), nan=0.0)  # [N] (+ the environment's reward)
         raw_score = score.clone()  # [N] what eval reports as reward_mean
         if cfg.score.normalize:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from lorarl.errors import LorarlError
 from lorarl.model import HEAD_FILE, SharedBase
@@ -141,6 +142,16 @@ class RewardSource:
             # rules alone: NaN stays NaN (the caller decides); with a reward model every row has a score
             total = rules.total if rm is None else total + torch.nan_to_num(rules.total, nan=0.0)
         return SourceScores(total=total, reward_model=rm, rules=rules)
+
+    def report_failures(self, scored: SourceScores, step: int, max_fraction: float, treated: str) -> None:
+        """One line per reward function that failed in ``scored`` (``step N: reward NAME failed (ERROR); TREATED``,
+        ``treated`` saying what the loop does with its values), then the run's failure budget: raises LorarlError
+        past ``max_fraction`` (``reward.max_failure_fraction``) of the calls or of one function's values."""
+        if scored.rules is None:
+            return
+        for name, err in scored.rules.failures.items():
+            tqdm.write(f"step {step}: reward {name} failed ({err}); {treated}")
+        self.rules.check_failure_budget(max_fraction, scored.rules.failures)
 
     @property
     def calls(self) -> int:
