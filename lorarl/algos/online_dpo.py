@@ -157,7 +157,7 @@ class OnlineDPO:
         self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)
         self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
         # micro-batches of pairs (2 responses each), as offline DPO counts them; the planner's `auto` pick counts
-        # rows (it plans the step as GRPO with 2 samples per prompt)
+        # rows (it plans the step as GRPO with group_size samples per prompt)
         planned = planned_micro_batch(recipe, shared.device.type)
         self.mbs = micro_batch_rows(
             tcfg.micro_batch_size, tcfg.prompts_per_step, None if planned is None else max(1, planned // 2)

@@ -383,6 +383,6 @@ USES = {
     "sft": SHARED_SECTIONS + ("agent",),  # reward, generation, agent: held-out evaluation decodes like RL
     "rejection_sampling": SHARED_SECTIONS,
     "dpo": SHARED_SECTIONS,  # reward and generation: the held-out task evaluation (dpo.task_source)
-    "online_dpo": SHARED_SECTIONS,  # prompts, the reward that ranks the two samples, sampling
+    "online_dpo": SHARED_SECTIONS,  # prompts, the reward that ranks the samples, sampling
 }
 TRAINS_ON_SAMPLES = ("grpo", "ppo")

@@ -19,7 +19,7 @@ ARITHMETIC_PROMPT_TOKENS = 96  # a chat-templated arithmetic question with a sys
 CPU_DEFAULT_MICRO_BATCH = 8
 
 
-# recipes whose step the planner models: its own steps, and online DPO as a GRPO step of 2 samples per prompt
+# recipes whose step the planner models: its own steps, and online DPO as a GRPO step of its samples per prompt
 PLANNED_RECIPES = (*PLANNED_ALGOS, "online_dpo")
 
 
