@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from test_grpo import TARGET_REWARD, peaky_model_dir  # noqa: F401  (the learnable reward and its model fixture)
 
 from lorarl.algos.loop import train
-from lorarl.algos.online_dpo import rank_pairs, sampled_pairs
+from lorarl.algos.online_dpo import objective_metrics, rank_pairs, sampled_pairs
 from lorarl.cli import main
 from lorarl.config import recipe_from_dict
 from lorarl.errors import RecipeError
@@ -56,6 +56,20 @@ def test_rank_pairs_best_against_worst_of_a_group():
     assert rank_pairs(torch.tensor([2.0, 3.0, 5.0, 2.5]), cut3, 4.0, group_size=4) == ([1], [2], 0)
     with pytest.raises(ValueError, match="group_size"):
         rank_pairs(rewards, cut, None, group_size=1)
+
+
+def test_objective_metrics_by_hand():
+    stats = {"rewards/chosen": 0.2, "rewards/rejected": -0.1, "logps/chosen": -3.0, "logps/rejected": -5.0}
+    got = objective_metrics(stats, beta=0.1, pair_score=1.5)
+    # kl = (0.2 - 0.1) / (2 * 0.1) = 0.5; entropy = (3 + 5) / 2; non-score = -0.1 * 0.5; rlhf = 1.5 - 0.05
+    assert got == pytest.approx(
+        {
+            "objective/kl": 0.5,
+            "objective/entropy": 4.0,
+            "objective/non_score_reward": -0.05,
+            "objective/rlhf_reward": 1.45,
+        }
+    )
 
 
 def test_sampled_pairs_keep_the_sampled_ids_through_eos():
@@ -120,6 +134,11 @@ def test_loss_starts_at_log2_and_the_reward_rises(peaky_model_dir, reward_file, 
     assert early < 0.15 and late > early + 0.15, (early, late)  # ~10% of tokens in the target set at the start
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "val/contain_eos_token"):
         assert key in first, key
+    # TRL's objective/*: no KL while policy == reference; the entropy estimate is minus the rows' mean log-prob
+    assert first["objective/kl"] == 0.0 and first["objective/non_score_reward"] == 0.0
+    assert first["objective/entropy"] == pytest.approx(-(first["logps/chosen"] + first["logps/rejected"]) / 2)
+    assert first["objective/entropy"] > 0
+    assert any(r["objective/kl"] != 0.0 for r in rows[1:])  # the policy moved away from the reference
     assert summary["reward_last10"] > summary["reward_first10"]
     assert (out / "policy" / "adapter_model.safetensors").is_file() and (out / "plot.png").is_file()
     assert "eval/accuracy" in rows[-1]  # the held-out task evaluation at the end
@@ -230,8 +249,9 @@ def test_a_failing_reward_is_counted_and_bounded(peaky_model_dir, reward_file, t
 
 def test_a_group_of_four_trains_its_best_against_its_worst(peaky_model_dir, tmp_path):  # noqa: F811
     """online_dpo.group_size 4: 4 samples per prompt scored (the reward sees 32 rows for 8 prompts); step 1's
-    ``objective/scores_margin`` is the mean of (best - worst) over the prompts that are not ties, computed here from
-    the scores the reward function wrote down."""
+    ``objective/scores_margin`` is the mean of (best - worst) over the prompts that are not ties and its
+    ``objective/rlhf_reward`` the mean of their best and worst, computed here from the scores the reward function
+    wrote down."""
     f = tmp_path / "logged.py"
     f.write_text(
         TARGET_REWARD
@@ -254,13 +274,17 @@ def test_a_group_of_four_trains_its_best_against_its_worst(peaky_model_dir, tmp_
     train(recipe, tmp_path / "run")
     step1 = json.loads(log.read_text().splitlines()[0])
     assert len(step1) == 32  # 8 prompts x 4 samples, scored in one call
-    margins, ties = [], 0
+    margins, trained, ties = [], [], 0
     for g in range(8):
         group = step1[4 * g : 4 * g + 4]
         if max(group) == min(group):
             ties += 1
         else:
             margins.append(max(group) - min(group))
+            trained += [max(group), min(group)]
     row = read_metrics(tmp_path / "run")[0]
     assert row["pairs"] == len(margins) and row["pairs/ties"] == ties and margins
     assert row["objective/scores_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-5)
+    # step 1: policy == reference, no KL: TRL's rlhf_reward is the mean reward of the trained rows (best and worst)
+    assert row["objective/kl"] == 0.0
+    assert row["objective/rlhf_reward"] == pytest.approx(sum(trained) / len(trained), rel=1e-5)

@@ -16,7 +16,9 @@ evaluation, logging and the plot):
    micro-batches of pairs, each pair's prompt run once for both responses;
 5. metrics by TRL's names: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
    ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``objective/scores``, ``objective/scores_margin``,
-   ``val/contain_eos_token``, ``beta``; and lorarl's ``pairs``, ``pairs/ties``, ``reward``.
+   ``objective/kl``, ``objective/entropy``, ``objective/non_score_reward``, ``objective/rlhf_reward``
+   (:func:`objective_metrics`), ``val/contain_eos_token``, ``beta``; and lorarl's ``pairs``, ``pairs/ties``,
+   ``reward``.
 
 Differences from TRL, on purpose: a prompt whose best and worst completions score the same gives no pair (TRL keeps
 it with the first completion as chosen, an arbitrary label: with a 0/1 verifier most groups tie early on); the pairs
@@ -103,6 +105,31 @@ def rank_pairs(
             chosen.append(best)
             rejected.append(worst)
     return chosen, rejected, ties
+
+
+def objective_metrics(stats: dict, beta: float, pair_score: float) -> dict[str, float]:
+    """TRL's OnlineDPOTrainer ``objective/*`` figures from a step's pair metrics, over the trained rows (each pair's
+    chosen and rejected completion; TRL trains on every sampled row, lorarl leaves ties and, past 2 samples, the
+    middle rows out). With ``kl_y = log pi(y|x) - log ref(y|x)`` summed over a completion's tokens and the implicit
+    reward ``r_y = beta * kl_y`` (``rewards/chosen`` and ``rewards/rejected`` are the means of ``r`` over the chosen
+    and the rejected rows, as many of each):
+
+    * ``objective/kl = mean_y kl_y = (rewards/chosen + rewards/rejected) / (2 beta)``;
+    * ``objective/entropy = -mean_y log pi(y|x) = -(logps/chosen + logps/rejected) / 2`` (TRL's sequence estimate);
+    * ``objective/non_score_reward = -beta * objective/kl``;
+    * ``objective/rlhf_reward = pair_score + objective/non_score_reward`` (``pair_score``: the mean reward of the
+      same rows).
+
+    Example: rewards/chosen 0.2, rewards/rejected -0.1, beta 0.1, logps -3 and -5, pair_score 1.5 -> kl 0.5,
+    entropy 4, non_score_reward -0.05, rlhf_reward 1.45.
+    """
+    kl = (stats["rewards/chosen"] + stats["rewards/rejected"]) / (2 * beta)
+    return {
+        "objective/kl": kl,
+        "objective/entropy": -(stats["logps/chosen"] + stats["logps/rejected"]) / 2,
+        "objective/non_score_reward": -beta * kl,
+        "objective/rlhf_reward": pair_score - beta * kl,
+    }
 
 
 def sampled_pairs(rollout: Rollout, chosen: list[int], rejected: list[int]) -> PairSet:
@@ -217,12 +244,14 @@ class OnlineDPO:
             tcfg.max_grad_norm,
         )
         self.guard.check(result, batch.step)
+        objective = objective_metrics(result.stats, cfg.beta, float(scored.total[chosen + rejected].mean()))
 
         # 5. Metrics (TRL's names) ----------------------------------------------------------------------------------
         return {
             **metrics,
             "loss": result.loss,
             **result.stats,
+            **objective,
             "grad_norm": result.grad_norm,
             "learning_rate": result.lr,
             "skipped_updates": self.guard.skipped,
