@@ -95,16 +95,16 @@ def load_split(recipe: Recipe, shared: SharedBase, split: str, limit: int | None
     return pairs
 
 
-def setup_roles(shared: SharedBase, recipe: Recipe) -> str | None:
+def setup_roles(shared: SharedBase, recipe: Recipe, needs_reference: bool = True) -> str | None:
     """The policy adapter (fresh, or a trainable copy of ``model.init_adapter``) and the reference role: the bare
     base (``reference`` with no such adapter disables adapters), the init adapter loaded again frozen, or None for a
-    reference-free loss (nothing runs it)."""
+    reference-free loss (``needs_reference`` False: nothing runs it). Offline and online DPO alike."""
     init = recipe.model.init_adapter
     if init:
         shared.add_adapter(POLICY, init_from=init, trainable=True)
     else:
         shared.add_adapter(POLICY, recipe.lora)
-    if not recipe.dpo.needs_reference:
+    if not needs_reference:
         return None
     if init:
         shared.add_adapter(REFERENCE, init_from=init, trainable=False)
@@ -198,7 +198,7 @@ class DPO:
     def __init__(self, recipe: Recipe, shared: SharedBase):
         self.recipe, self.shared = recipe, shared
         cfg, tcfg = recipe.dpo, recipe.train
-        self.reference = setup_roles(shared, recipe)
+        self.reference = setup_roles(shared, recipe, recipe.dpo.needs_reference)
         self.roles = self.outputs = [POLICY]
         self.final_eval = True  # the summary reports the held-out implicit-reward (and task) accuracy
         self.train_pairs = load_split(recipe, shared, "train")

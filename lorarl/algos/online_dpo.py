@@ -48,7 +48,7 @@ from lorarl.algos.base import (
     tail_mean,
     trained_role,
 )
-from lorarl.algos.dpo import pair_token_count, pair_update
+from lorarl.algos.dpo import POLICY, pair_token_count, pair_update, setup_roles
 from lorarl.algos.dpo_scoring import role_logps
 from lorarl.config import Recipe
 from lorarl.core.preference_losses import combined_loss
@@ -59,8 +59,6 @@ from lorarl.phases import phase
 from lorarl.rewards.source import reward_source
 from lorarl.rollout import Rollout, generate_rollout
 from lorarl.update import NonFiniteGuard
-
-POLICY = "policy"
 
 PLOT_PANELS = (
     ("DPO loss", ("loss",)),
@@ -169,12 +167,9 @@ class OnlineDPO:
     def __init__(self, recipe: Recipe, shared: SharedBase):
         self.recipe, self.shared = recipe, shared
         cfg, tcfg = recipe.online_dpo, recipe.train
-        init = recipe.model.init_adapter
-        if init:  # continue an adapter (e.g. an SFT or offline-DPO run): it is also the frozen reference
-            shared.add_adapter(POLICY, init_from=init, trainable=True)
-            shared.add_adapter(REFERENCE, init_from=init, trainable=False)
-        else:  # the reference is the bare base: REFERENCE without an adapter of that name disables adapters
-            shared.add_adapter(POLICY, recipe.lora)
+        # continue model.init_adapter (an SFT or offline-DPO run), also loaded frozen as the reference; else a fresh
+        # adapter against the bare base
+        setup_roles(shared, recipe)
         self.roles = self.outputs = [POLICY]
         self.final_eval = True  # the summary reports the held-out task evaluation
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
