@@ -46,7 +46,7 @@ def test_gspo_geometric_mean_over_the_mask_and_its_gradient():
     s0 = math.exp(0.005)
     want = torch.tensor([[-2 * s0, -2 * s0, 0.0], [0.8, 0.0, 0.0]], dtype=D)  # -min(s A, 0.8 A) with A = -1 -> 0.8
     torch.testing.assert_close(loss, want)
-    red = reduce_loss(loss, mask, "seq_mean_token_mean", total_sequences=2, total_tokens=3, max_len=3)
+    red = reduce_loss(loss, mask, "seq_mean_token_mean", total_rows=2, total_sequences=2, total_tokens=3, max_len=3)
     assert float(red.detach()) == pytest.approx((-2 * s0 + 0.8) / 2)
     red.backward()
     # (1/N) * d(-A s)/d lp_t = (1/2) * (-A s / |y|) with |y| = 2; row 1 clipped -> 0; padding -> 0
@@ -78,6 +78,7 @@ def test_tis_weights_hand_values_cap_mask_and_nan():
 
 class _Accelerator:
     num_processes = 1
+    sync_gradients = True
 
     def reduce(self, x, reduction="sum"):
         return x
@@ -89,28 +90,36 @@ class _Accelerator:
         return x
 
 
-def _trl_loss(lp, old, adv, mask, *, level, eps_low, eps_high, beta=0.0, ref=None, bias_kl=False, is_ratio=None):
+def _trl_loss(
+    lp, old, adv, mask, *, level, eps_low, eps_high, beta=0.0, ref=None, bias_kl=False, is_ratio=None, **more
+):
     """TRL's own ``GRPOTrainer._compute_loss`` (trl/trainer/grpo_trainer.py), called unbound on a lightweight
-    object that holds exactly the attributes it reads; the model forward is replaced by the given log-probs."""
+    object that holds exactly the attributes it reads; the model forward is replaced by the given log-probs.
+    ``more``: ``loss_type`` (default grpo), ``entropies`` ``[B, T]`` with ``entropy_coef`` (the bonus), ``accum``
+    (TRL's gradient accumulation steps) and ``max_completion_length`` (dr_grpo's constant)."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     B, T = lp.shape
+    ent = more.get("entropies", torch.zeros(B, T, dtype=lp.dtype))
     fake = types.SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros(B, T, dtype=lp.dtype), None),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None),
+        entropy_coef=more.get("entropy_coef", 0.0),
+        use_adaptive_entropy=False,
+        max_completion_length=more.get("max_completion_length", T),
         top_entropy_quantile=1.0,
         aux_loss_enabled=False,
         off_policy_mask_threshold=None,
         importance_sampling_level=level,
         beta=beta,
-        loss_type="grpo",
+        loss_type=more.get("loss_type", "grpo"),
         epsilon_low=eps_low,
         epsilon_high=eps_high,
         args=types.SimpleNamespace(delta=None, use_bias_correction_kl=bias_kl),
         use_vllm=is_ratio is not None,
         vllm_importance_sampling_correction=is_ratio is not None,
         model=types.SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1,
-        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=more.get("accum", 1),
+        _entropy_bonus_enabled=more.get("entropy_coef", 0.0) != 0.0,
         accelerator=_Accelerator(),
         _metrics={"train": defaultdict(list)},
     )
@@ -144,7 +153,9 @@ def _batch(seed=0, B=5, T=6):
 def _lorarl_loss(lp, old, adv, mask, cfg, **kw):
     per_token, stats = grpo_token_loss(lp, old, adv, mask, cfg, entropy=torch.zeros_like(lp), **kw)
     n_seq, n_tok = int(mask.any(-1).sum()), int(mask.sum())
-    loss = reduce_loss(per_token, mask, "seq_mean_token_mean", total_sequences=n_seq, total_tokens=n_tok, max_len=6)
+    loss = reduce_loss(
+        per_token, mask, "seq_mean_token_mean", total_rows=n_seq, total_sequences=n_seq, total_tokens=n_tok, max_len=6
+    )
     return loss, stats
 
 
@@ -196,6 +207,73 @@ def test_unbiased_kl_at_token_level_equals_trls_bias_corrected_kl():
     torch.testing.assert_close(lp_a.grad, lp_b.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_dr_grpo_normaliser_counts_an_all_masked_row_as_trls_does():
+    """Dr. GRPO's constant normaliser (rows x max_new_tokens) keeps a row whose tokens are all masked (a truncated
+    row under mask_truncated): 4 rows, row 2 masked, max_len 8 -> sum / 32, not / 24; two micro-batches of 2 rows
+    with gradient accumulation equal TRL's ``dr_grpo`` (its micro-batch rows x max_completion_length x 2 steps)."""
+    from lorarl.algos.grpo import reduce_grpo_loss
+    from lorarl.core.losses import batch_totals
+
+    old, lp0, _, _, mask, adv = _batch(seed=3, B=4)
+    mask[2] = False
+    cfg = GRPOConfig(loss_reduction="seq_sum_norm")
+    totals = batch_totals(mask)
+    assert totals == {"total_rows": 4, "total_sequences": 3, "total_tokens": 14}
+    lp_a, lp_b = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+    ours = theirs = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        per_token, _ = grpo_token_loss(lp_a[rows], old[rows], adv[rows], mask[rows], cfg)
+        ours = ours + reduce_grpo_loss(per_token, torch.zeros_like(per_token), mask[rows], cfg, **totals, max_len=8)
+        trl, _ = _trl_loss(
+            lp_b[rows], old[rows], adv[rows], mask[rows], level="token", eps_low=0.2, eps_high=0.2,
+            loss_type="dr_grpo", max_completion_length=8, accum=2,
+        )  # fmt: skip
+        theirs = theirs + trl
+    # ratio 1 + 8e-4 noise, unclipped at eps 0.2: the loss is -sum_i A_i sum_t m_it ratio_it / (4 * 8)
+    hand = -(adv[:, None] * torch.exp(lp0 - old) * mask).sum() / 32
+    assert float(ours.detach()) == pytest.approx(float(hand), rel=1e-12)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-12)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(lp_a.grad, lp_b.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "reduction, trl_type", [("seq_mean_token_mean", "grpo"), ("token_mean", "bnpo"), ("seq_sum_norm", "dr_grpo")]
+)
+def test_entropy_bonus_is_trls_token_mean_whatever_the_reduction(reduction, trl_type):
+    """grpo.entropy_coef follows TRL: the bonus is coef x the token mean of the entropy for every loss_reduction
+    (one micro-batch, as TRL's bonus is a mean per micro-batch). Hand value: lengths 6, 3, 1, 5, 4 -> 19 tokens; the
+    bonus lowers the loss by coef * sum(m H) / 19, where verl's convention (entropy reduced like the loss) would
+    lower it by a different amount for seq_mean_token_mean and seq_sum_norm."""
+    from lorarl.algos.grpo import reduce_grpo_loss
+    from lorarl.core.losses import batch_totals
+
+    old, lp0, _, _, mask, adv = _batch(seed=4)
+    ent0 = torch.rand(5, 6, generator=torch.Generator().manual_seed(9), dtype=D) * 2
+    coef, totals = 0.05, dict(**batch_totals(mask), max_len=6)
+    with_bonus = GRPOConfig(loss_reduction=reduction, entropy_coef=coef)
+    without = GRPOConfig(loss_reduction=reduction)
+    lp_a, lp_b = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+    ent_a, ent_b = ent0.clone().requires_grad_(True), ent0.clone().requires_grad_(True)
+    per_token, _ = grpo_token_loss(lp_a, old, adv, mask, with_bonus, entropy=ent_a)
+    ours = reduce_grpo_loss(per_token, ent_a, mask, with_bonus, **totals)
+    theirs, _ = _trl_loss(
+        lp_b, old, adv, mask, level="token", eps_low=0.2, eps_high=0.2, loss_type=trl_type, entropies=ent_b,
+        entropy_coef=coef, max_completion_length=6,
+    )  # fmt: skip
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-12)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(lp_a.grad, lp_b.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ent_a.grad, ent_b.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ent_a.grad, -coef * mask.to(D) / 19, rtol=1e-12, atol=0)
+    bonus = float((reduce_grpo_loss(per_token, ent0, mask, without, **totals) - ours).detach())
+    assert bonus == pytest.approx(coef * float((ent0 * mask).sum()) / 19, rel=1e-12)
+    verl_bonus = coef * float(reduce_loss(ent0, mask, reduction, **totals))
+    assert (abs(verl_bonus - bonus) > 1e-4) == (reduction != "token_mean")
+
+
 def _trl_token_truncate_ratio(old, sampling, mask, clip_max, clip_min=None):
     """TRL's token-level truncated IS ratio, reproduced line for line from ``GRPOTrainer._generate_and_score_completions``
     (trl 1.16.0, trl/trainer/grpo_trainer.py lines 2660-2685, ``vllm_importance_sampling_mode="token_truncate"``):
@@ -240,7 +318,9 @@ def test_default_grpo_token_loss_is_the_ppo_clip_formula():
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     adv = torch.tensor([0.5, -2.0], dtype=D)
     per_token, _ = grpo_token_loss(lp, old, adv, mask, cfg, entropy=torch.zeros_like(lp))
-    loss = reduce_loss(per_token, mask, "seq_mean_token_mean", total_sequences=2, total_tokens=5, max_len=3)
+    loss = reduce_loss(
+        per_token, mask, "seq_mean_token_mean", total_rows=2, total_sequences=2, total_tokens=5, max_len=3
+    )
     loss.backward()
     # row 0 (A = 0.5): r = e^0.3 = 1.3499 -> clipped at 1.2 (no grad); e^-0.1 = 0.9048 and 1: unclipped
     # row 1 (A = -2): r = e^-0.4 = 0.6703 -> clipped at 0.8 (no grad); e^0.05 = 1.0513: unclipped
@@ -299,6 +379,7 @@ def test_default_grpo_loss_through_the_model_equals_the_formula(policy_rollout):
             loss_mask=mask,
             cfg=cfg,
             temperature=0.9,
+            total_rows=8,
             total_sequences=8,
             total_tokens=int(mask.sum()),
             max_len=5,

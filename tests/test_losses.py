@@ -307,16 +307,18 @@ def test_bradley_terry_margin_and_centering():
 
 
 def test_reduce_loss_hand_values():
-    per_token = torch.tensor([[1.0, 3.0], [5.0, float("nan")]])
-    mask = torch.tensor([[1, 1], [1, 0]])
-    kw = dict(total_sequences=2, total_tokens=3, max_len=4)
+    per_token = torch.tensor([[1.0, 3.0], [5.0, float("nan")], [7.0, 7.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]])  # the docstring's example: row 2 has no valid token
+    kw = dict(total_rows=3, total_sequences=2, total_tokens=3, max_len=4)
     close(reduce_loss(per_token, mask, "seq_mean_token_mean", **kw), 3.5)  # (2 + 5) / 2
     close(reduce_loss(per_token, mask, "token_mean", **kw), 3.0)  # 9 / 3
-    close(reduce_loss(per_token, mask, "seq_sum_norm", **kw), 1.125)  # 9 / (2 * 4)
+    close(reduce_loss(per_token, mask, "seq_sum_norm", **kw), 0.75)  # 9 / (3 * 4): every row counts
     with pytest.raises(ValueError):
         reduce_loss(per_token, mask, "mean", **kw)
     with pytest.raises(ValueError):
-        reduce_loss(per_token, mask, "token_mean", total_sequences=2, total_tokens=0, max_len=4)
+        reduce_loss(per_token, mask, "token_mean", total_rows=3, total_sequences=2, total_tokens=0, max_len=4)
+    with pytest.raises(ValueError):
+        reduce_loss(per_token, mask, "seq_sum_norm", total_rows=0, total_sequences=2, total_tokens=3, max_len=4)
 
 
 @pytest.mark.parametrize("mode", sorted(LOSS_REDUCTIONS))
@@ -327,7 +329,7 @@ def test_reduce_loss_micro_batches_sum_to_full_batch_values_and_gradients(mode):
     mask = torch.arange(T)[None, :] < lengths[:, None]  # right padded
     features = torch.randn(B, T, 3, generator=g, dtype=torch.float64)
     w0 = torch.randn(3, generator=g, dtype=torch.float64)
-    kw = dict(total_sequences=B, total_tokens=mask.sum(), max_len=max_len)
+    kw = dict(total_rows=B, total_sequences=B, total_tokens=mask.sum(), max_len=max_len)
 
     w = w0.clone().requires_grad_(True)
     full = reduce_loss((features @ w) ** 2, mask, mode, **kw)
@@ -353,7 +355,7 @@ def test_reduce_loss_modes_differ_and_match_definitions():
     lengths = [6, 2, 3, 1]
     mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]
     rows = [per_token[i, :n].tolist() for i, n in enumerate(lengths)]
-    kw = dict(total_sequences=4, total_tokens=12, max_len=10)
+    kw = dict(total_rows=4, total_sequences=4, total_tokens=12, max_len=10)
     close(reduce_loss(per_token, mask, "seq_mean_token_mean", **kw), sum(sum(r) / len(r) for r in rows) / 4)
     close(reduce_loss(per_token, mask, "token_mean", **kw), sum(sum(r) for r in rows) / 12)
     close(reduce_loss(per_token, mask, "seq_sum_norm", **kw), sum(sum(r) for r in rows) / 40)
@@ -367,7 +369,7 @@ def test_losses_do_not_modify_arguments():
     saved = [t.clone() for t in (lp, old, adv, m)]
     ppo_clip_loss(lp, old, adv, m)
     value_loss(lp, old, lp, m, clip_range=0.1)
-    reduce_loss(lp, m, "token_mean", total_sequences=1, total_tokens=1, max_len=2)
+    reduce_loss(lp, m, "token_mean", total_rows=1, total_sequences=1, total_tokens=1, max_len=2)
     for a, b in zip((lp, old, adv, m), saved, strict=True):
         torch.testing.assert_close(a, b, equal_nan=True)
 
@@ -375,22 +377,25 @@ def test_losses_do_not_modify_arguments():
 def test_batch_totals_leave_out_rows_without_a_token():
     from lorarl.core.losses import batch_totals
 
-    assert batch_totals(torch.tensor([[1, 1], [0, 0], [1, 0]])) == (2, 3)
-    assert batch_totals(torch.zeros(2, 3)) == (1, 1)  # nothing to learn: a zero loss, no division by zero
+    want = {"total_rows": 3, "total_sequences": 2, "total_tokens": 3}  # the masked row counts in total_rows only
+    assert batch_totals(torch.tensor([[1, 1], [0, 0], [1, 0]])) == want
+    nothing = {"total_rows": 2, "total_sequences": 1, "total_tokens": 1}  # a zero loss, no division by zero
+    assert batch_totals(torch.zeros(2, 3)) == nothing
 
 
 def test_a_masked_out_row_does_not_shrink_the_sequence_mean():
-    """DAPO's overlong filtering masks truncated rows; the GRPO sequence mean is over the rows that remain
-    (hand values), and micro-batches (one holding only the masked row) still sum to the batch loss."""
+    """DAPO's overlong filtering masks truncated rows; the GRPO sequence mean is over the rows that remain, while
+    Dr. GRPO's normaliser keeps every row (TRL's dr_grpo: rows x max_len, the same every step) (hand values), and
+    micro-batches (one holding only the masked row) still sum to the batch loss."""
     from lorarl.core.losses import batch_totals
 
     loss = torch.tensor([[1.0, 3.0], [7.0, 7.0], [5.0, 0.0]])
     m = torch.tensor([[True, True], [False, False], [True, False]])  # row 1 truncated and masked
-    seqs, toks = batch_totals(m)
-    kw = dict(total_sequences=seqs, total_tokens=toks, max_len=4)
+    kw = dict(**batch_totals(m), max_len=4)
     close = functools.partial(torch.testing.assert_close, rtol=0, atol=1e-6)
     close(reduce_loss(loss, m, "seq_mean_token_mean", **kw), torch.tensor((2.0 + 5.0) / 2))  # not / 3
     close(reduce_loss(loss, m, "token_mean", **kw), torch.tensor(9.0 / 3))
-    close(reduce_loss(loss, m, "seq_sum_norm", **kw), torch.tensor(9.0 / (2 * 4)))
-    parts = sum(reduce_loss(loss[r], m[r], "seq_mean_token_mean", **kw) for r in ([0], [1], [2]))
-    close(parts, torch.tensor(3.5))
+    close(reduce_loss(loss, m, "seq_sum_norm", **kw), torch.tensor(9.0 / (3 * 4)))  # not / (2 * 4)
+    for mode, whole in (("seq_mean_token_mean", 3.5), ("seq_sum_norm", 0.75)):
+        parts = sum(reduce_loss(loss[r], m[r], mode, **kw) for r in ([0], [1], [2]))
+        close(parts, torch.tensor(whole))

@@ -100,6 +100,7 @@ def _setup_loss(sb, r, advantages, cfg, rows, use_reference):
         loss_mask=r.completion_mask,
         cfg=cfg,
         temperature=0.9,
+        total_rows=len(r),
         total_sequences=len(r),
         total_tokens=int(r.completion_mask.sum()),
         max_len=5,

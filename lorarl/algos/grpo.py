@@ -12,7 +12,8 @@ Read :meth:`GRPO.step` top to bottom; its steps are numbered (the run loop, :mod
 5. the loss: PPO-clip per token with ``eps_low`` / ``eps_high`` (DAPO clip-higher), or per sequence on GSPO's
    geometric-mean ratio (``importance_sampling_level: sequence``), weighted by truncated importance sampling when the
    sampler's log-probs differ from the trainer's (``grpo.tis``), plus ``kl_coef`` * k3 to the reference (or
-   DeepSeek-V3.2's importance-weighted k3), minus ``entropy_coef`` * entropy, reduced once (GRPO / DAPO / Dr. GRPO);
+   DeepSeek-V3.2's importance-weighted k3), reduced once (GRPO / DAPO / Dr. GRPO), minus ``entropy_coef`` * the
+   token mean of the entropy (TRL's convention);
 6. ``num_iterations`` optimizer steps on the rollout, each over micro-batches with gradient accumulation;
 7. iterative GRPO: the reference adapter is refreshed to the policy every ``ref_refresh_every`` steps;
 8. metrics; at the end (:meth:`GRPO.finish`) the policy adapter in PEFT format.
@@ -132,14 +133,15 @@ def grpo_token_loss(
 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """Step 5's per-token GRPO loss ``[B, T]`` (before the one reduction) from log-probs, and its stats:
 
-    ``l_t = -w_t min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef * KL_t - entropy_coef * H_t``,
+    ``l_t = -w_t min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef * KL_t`` (the entropy bonus is not a
+    per-token term here: :func:`grpo_loss` subtracts ``entropy_coef`` x the token mean of ``H``, as TRL does),
 
     ``rho`` the token ratio ``pi_theta / pi_old`` (``importance_sampling_level: token``,
     :func:`~lorarl.core.losses.ppo_clip_loss`) or GSPO's sequence ratio ``exp(mean_t log(pi_theta / pi_old))``
     (``sequence``, :func:`~lorarl.core.losses.gspo_clip_loss`); ``w_t = min(exp(old_t - sampler_t), tis_cap)``
     when ``sampler_logprobs`` is given (TIS, :func:`~lorarl.core.losses.tis_weights`), else 1; ``KL_t`` the k3
     estimate (or k3 weighted by the token ratio, ``kl.estimator: k3_unbiased``) when ``ref_logprobs`` is given;
-    ``H_t`` the entropy, used when ``entropy_coef > 0``. As TRL's ``_compute_loss``, the TIS weight multiplies the
+    ``H_t`` the entropy (its stats only). As TRL's ``_compute_loss``, the TIS weight multiplies the
     policy-gradient term only.
 
     Shapes: ``logprobs`` (with gradient), ``old_logprobs``, ``mask``, ``entropy``, ``ref_logprobs``,
@@ -168,8 +170,6 @@ def grpo_token_loss(
             kl = kl_k3(logprobs, ref_logprobs)  # [B, T]
         per_token = per_token + cfg.kl.coef * kl
         stats["kl"] = (float(kl.detach()[m].sum()), n_tok)
-    if cfg.entropy_coef > 0:
-        per_token = per_token - cfg.entropy_coef * entropy
     return per_token, stats
 
 
@@ -182,6 +182,7 @@ def grpo_loss(
     loss_mask: torch.Tensor,
     cfg: GRPOConfig,
     temperature: float,
+    total_rows: int,
     total_sequences: int,
     total_tokens: int,
     max_len: int,
@@ -191,7 +192,9 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """Step 5: a micro-batch's share of the GRPO loss (Shao et al. 2024, Eq. 3, as a loss to minimise): the
     per-token loss of :func:`grpo_token_loss`, reduced by ``cfg.loss_reduction`` with the WHOLE batch's
-    ``total_*`` so the micro-batch losses sum to the batch loss.
+    ``total_*`` so the micro-batch losses sum to the batch loss, minus the entropy bonus
+    ``entropy_coef * sum_{i,t} m_it H_it / total_tokens`` -- the token mean whatever ``loss_reduction`` is, as TRL's
+    ``GRPOTrainer`` (verl reduces it like the loss: the two differ for ``seq_mean_token_mean`` / ``seq_sum_norm``).
 
     ``rows``: the micro-batch, ``B`` row indices into ``rollout`` (``N`` rows); ``advantages`` ``[N]``;
     ``loss_mask`` ``[N, T]``. Without recorded
@@ -220,10 +223,26 @@ def grpo_loss(
     )
     if tis_seen is not None and sampler is not None:
         tis_seen.append(tis_weights(old, sampler, mask, cfg.tis.cap)[mask.bool()].cpu())
-    loss = reduce_loss(
-        per_token, mask, cfg.loss_reduction, total_sequences=total_sequences, total_tokens=total_tokens, max_len=max_len
-    )
-    return loss, stats
+    totals = dict(total_rows=total_rows, total_sequences=total_sequences, total_tokens=total_tokens, max_len=max_len)
+    return reduce_grpo_loss(per_token, ent, mask, cfg, **totals), stats
+
+
+def reduce_grpo_loss(per_token: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig, **totals):
+    """Step 5's reduction of a micro-batch: ``reduce_loss(l, m, cfg.loss_reduction) - entropy_coef * sum_{i,t}
+    m_it H_it / total_tokens`` (``totals``: the whole batch's, :func:`~lorarl.core.losses.batch_totals`, and
+    ``max_len``). The entropy bonus is the token mean of the entropy whatever ``loss_reduction`` is -- TRL's
+    ``GRPOTrainer`` convention, so an ``entropy_coef`` taken from a TRL config means the same here; verl reduces the
+    entropy like the loss (its ``loss_agg_mode``), which differs for ``seq_mean_token_mean`` / ``seq_sum_norm``.
+
+    Shapes: ``per_token``, ``entropy``, ``mask`` ``[B, T]`` -> ``[]``.
+
+    Example: ``l = [[1, 3], [5, 0]]``, ``H = [[2, 2], [4, 0]]``, ``m = [[1, 1], [1, 0]]``, seq_mean_token_mean,
+    ``entropy_coef = 0.5``, totals of this batch: ``(2 + 5)/2 - 0.5 * 8/3 = 2.1667``.
+    """
+    loss = reduce_loss(per_token, mask, cfg.loss_reduction, **totals)
+    if cfg.entropy_coef > 0:  # TRL's bonus: the token mean of the entropy, not reduced like the loss
+        loss = loss - cfg.entropy_coef * reduce_loss(entropy, mask, "token_mean", **totals)
+    return loss
 
 
 class GRPO:
@@ -348,9 +367,9 @@ class GRPO:
             loss_mask &= ~rollout.truncated[:, None]  # DAPO overlong filtering: no loss on truncated rows
         if tally is not None and tally.kept == 0:
             loss_mask[:] = False  # dynamic sampling kept no group: nothing to train on this step
-        total_sequences, total_tokens = batch_totals(loss_mask)  # rows without a loss token do not count
+        totals = batch_totals(loss_mask)  # rows without a loss token count in total_rows only (Dr. GRPO's constant)
         # Rows whose loss is 0 with a 0 gradient need no forward pass: zero advantage and no KL / entropy
-        # term. They still count in the normaliser (total_sequences, total_tokens), so the update is exact.
+        # term. They still count in the normaliser (the batch's totals), so the update is exact.
         needs_all_rows = cfg.kl.coef > 0 or cfg.entropy_coef > 0
         active = loss_mask.any(dim=1) & (needs_all_rows | (advantages != 0))
         rows = active.nonzero().squeeze(1)  # [n_active]
@@ -363,8 +382,7 @@ class GRPO:
             loss_mask=loss_mask,
             cfg=cfg,
             temperature=gen.temperature,
-            total_sequences=total_sequences,
-            total_tokens=total_tokens,
+            **totals,
             max_len=gen.max_new_tokens,
             use_reference=self.reference is not None,
             use_tis=self.tis_active,

@@ -110,7 +110,9 @@ def policy_loss(shared: SharedBase, cfg, temperature: float, batch: PPOBatch, pt
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * ent
     T = m.shape[1]
-    loss = reduce_loss(per_token, m, "token_mean", total_sequences=denom[0], total_tokens=denom[1], max_len=T)
+    loss = reduce_loss(
+        per_token, m, "token_mean", total_rows=denom[0], total_sequences=denom[0], total_tokens=denom[1], max_len=T
+    )
     n_tok = float(m.sum())
     stats = {k: (float(v) * n_tok, n_tok) for k, v in pstats.items()}
     stats["clip_frac"] = (float(pstats["clip_frac_low"] + pstats["clip_frac_high"]) * n_tok, n_tok)
@@ -138,7 +140,7 @@ def critic_loss(shared: SharedBase, cfg, batch: PPOBatch, item: Item):
     )  # [b, T]
     T = m.shape[1]
     loss = cfg.critic.vf_coef * reduce_loss(
-        per_token, m, "token_mean", total_sequences=denom[0], total_tokens=denom[1], max_len=T
+        per_token, m, "token_mean", total_rows=denom[0], total_sequences=denom[0], total_tokens=denom[1], max_len=T
     )
     n_tok = float(m.sum())
     return loss, {

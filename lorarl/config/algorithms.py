@@ -67,10 +67,12 @@ class GRPOConfig:
     clip_eps_low: float | None = None  # PPO-clip lower range; null: 0.2 (token level) or 3e-4 (sequence, GSPO paper)
     clip_eps_high: float | None = None  # upper range; > clip_eps_low is DAPO's clip-higher; null: 0.2 or 4e-4
     loss_reduction: Literal["seq_mean_token_mean", "token_mean", "seq_sum_norm"] = "seq_mean_token_mean"  # GRPO/DAPO/Dr
+    #   GRPO; seq_sum_norm divides by all rows x max_new_tokens (TRL's dr_grpo), masked rows included
     std_scaling: Literal["group", "batch", "none"] = "group"  # advantage scale; none = Dr. GRPO
     unbiased_std: bool = False  # False: population std
     mask_truncated: bool = False  # completions without EOS contribute no loss (DAPO overlong filtering)
-    entropy_coef: float = 0.0  # entropy bonus
+    entropy_coef: float = 0.0  # entropy bonus: coef x the token mean of the entropy whatever loss_reduction is (TRL's
+    #   entropy_coef; verl reduces it like the loss); docs/grpo_options.md
     kl: GRPOKLConfig = field(default_factory=GRPOKLConfig)  # the KL term to the reference
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # DAPO dynamic sampling
     tis: TISConfig = field(default_factory=TISConfig)  # sampler / trainer mismatch correction

@@ -385,22 +385,25 @@ LossReduction = Literal["seq_mean_token_mean", "token_mean", "seq_sum_norm"]
 
 
 def _seq_mean_token_mean(
-    per_token: Tensor, mask: Tensor, *, total_sequences: int, total_tokens: float, max_len: int
+    per_token: Tensor, mask: Tensor, *, total_rows: int, total_sequences: int, total_tokens: float, max_len: int
 ) -> Tensor:
     """GRPO (Shao et al. 2024, Eq. 3): ``(1/N) sum_i (1/|o_i|) sum_t l_{i,t}``; ``N = total_sequences``."""
     return masked_mean(per_token, mask, dim=-1).sum() / total_sequences
 
 
-def _token_mean(per_token: Tensor, mask: Tensor, *, total_sequences: int, total_tokens: float, max_len: int) -> Tensor:
+def _token_mean(
+    per_token: Tensor, mask: Tensor, *, total_rows: int, total_sequences: int, total_tokens: float, max_len: int
+) -> Tensor:
     """DAPO (Yu et al. 2025, token-level loss): ``sum_{i,t} l_{i,t} / total_tokens``."""
     return masked_sum(per_token, mask) / total_tokens
 
 
 def _seq_sum_norm(
-    per_token: Tensor, mask: Tensor, *, total_sequences: int, total_tokens: float, max_len: int
+    per_token: Tensor, mask: Tensor, *, total_rows: int, total_sequences: int, total_tokens: float, max_len: int
 ) -> Tensor:
-    """Dr. GRPO (Liu et al. 2025): ``sum_{i,t} l_{i,t} / (total_sequences * max_len)``, a constant normaliser."""
-    return masked_sum(per_token, mask) / (total_sequences * max_len)
+    """Dr. GRPO (Liu et al. 2025; TRL's ``dr_grpo``): ``sum_{i,t} l_{i,t} / (total_rows * max_len)``, the same
+    normaliser every step: ``total_rows`` counts every row of the batch, masked or not."""
+    return masked_sum(per_token, mask) / (total_rows * max_len)
 
 
 LOSS_REDUCTIONS: dict[str, Callable[..., Tensor]] = {
@@ -410,16 +413,21 @@ LOSS_REDUCTIONS: dict[str, Callable[..., Tensor]] = {
 }
 
 
-def batch_totals(mask: Tensor) -> tuple[int, int]:
-    """``(total_sequences, total_tokens)`` of a whole batch for :func:`reduce_loss`: the rows that contribute at
-    least one token, and the tokens. A row with no valid token (e.g. a truncated row under DAPO's overlong
-    filtering) is not a sequence of the mean: counting it would shrink every other row's weight. Both are at least
-    1 (a batch with nothing to learn gives a zero loss, not a division by zero).
+def batch_totals(mask: Tensor) -> dict[str, int]:
+    """The ``total_*`` keywords of :func:`reduce_loss` for a whole batch ``mask`` ``[N, T]``: ``total_rows`` (``N``,
+    every row: Dr. GRPO's constant normaliser), ``total_sequences`` (the rows that contribute at least one token)
+    and ``total_tokens``. A row with no valid token (e.g. a truncated row under DAPO's overlong filtering) is not a
+    sequence of the GRPO mean: counting it would shrink every other row's weight. All are at least 1 (a batch with
+    nothing to learn gives a zero loss, not a division by zero).
 
-    Example: mask ``[[1, 1], [0, 0], [1, 0]]`` -> ``(2, 3)``.
+    Example: mask ``[[1, 1], [0, 0], [1, 0]]`` -> ``{total_rows: 3, total_sequences: 2, total_tokens: 3}``.
     """
     m = mask.bool()
-    return max(int(m.any(dim=-1).sum()), 1), max(int(m.sum()), 1)
+    return {
+        "total_rows": max(m.shape[0], 1),
+        "total_sequences": max(int(m.any(dim=-1).sum()), 1),
+        "total_tokens": max(int(m.sum()), 1),
+    }
 
 
 def reduce_loss(
@@ -427,6 +435,7 @@ def reduce_loss(
     mask: Tensor,
     mode: LossReduction,
     *,
+    total_rows: int,
     total_sequences: int,
     total_tokens: float | Tensor,
     max_len: int,
@@ -440,24 +449,38 @@ def reduce_loss(
     * ``"seq_mean_token_mean"`` (GRPO, Shao et al. 2024 Eq. 3):
       ``sum_{rows i} [sum_t m_it l_it / max(1, sum_t m_it)] / total_sequences``;
     * ``"token_mean"`` (DAPO, Yu et al. 2025): ``sum_{i,t} m_it l_it / total_tokens``;
-    * ``"seq_sum_norm"`` (Dr. GRPO, Liu et al. 2025): ``sum_{i,t} m_it l_it / (total_sequences * max_len)``,
-      ``max_len`` a constant (e.g. ``max_new_tokens``), not this batch's longest row.
+    * ``"seq_sum_norm"`` (Dr. GRPO, Liu et al. 2025; TRL's ``dr_grpo``): ``sum_{i,t} m_it l_it / (total_rows *
+      max_len)``, ``max_len`` a constant (``max_new_tokens``), not this batch's longest row, and ``total_rows`` every
+      row of the batch, those with no valid token included (a truncated row under ``mask_truncated``): the
+      normaliser is the same every step, as Dr. GRPO asks. TRL 1.16 divides each micro-batch by its own rows x
+      ``max_completion_length`` x the accumulation steps; that equals this when the micro-batches are of one size
+      (lorarl's uneven last micro-batch is weighted by its rows, TRL's as a whole micro-batch).
 
-    ``total_sequences``: rows of the whole batch with at least one valid token; ``total_tokens``: valid tokens in the
-    whole batch (``mask.sum()``) -- :func:`batch_totals` computes both; ``max_len``: the constant of ``seq_sum_norm``. All three are required whatever the mode, so a
-    caller computes them once per batch and switches modes without other changes.
+    ``total_rows``: rows of the whole batch; ``total_sequences``: those with at least one valid token;
+    ``total_tokens``: valid tokens in the whole batch (``mask.sum()``) -- :func:`batch_totals` computes all three;
+    ``max_len``: the constant of ``seq_sum_norm``. All are required whatever the mode, so a caller computes them
+    once per batch and switches modes without other changes.
 
     Shapes: ``per_token``, ``mask`` ``[B, T]`` -> ``[]``.
 
-    Example: ``l = [[1, 3], [5, 0]]``, ``m = [[1, 1], [1, 0]]``, one micro-batch = the batch
-    (``total_sequences=2, total_tokens=3, max_len=4``): ``(2 + 5)/2 = 3.5``; ``9/3 = 3``; ``9/8 = 1.125``.
+    Example: ``l = [[1, 3], [5, 0], [7, 7]]``, ``m = [[1, 1], [1, 0], [0, 0]]``, one micro-batch = the batch
+    (``total_rows=3, total_sequences=2, total_tokens=3, max_len=4``): ``(2 + 5)/2 = 3.5``; ``9/3 = 3``;
+    ``9/(3*4) = 0.75``.
     """
     try:
         reduction = LOSS_REDUCTIONS[mode]
     except KeyError:
         raise ValueError(f"mode must be one of {tuple(LOSS_REDUCTIONS)}, got {mode!r}") from None
-    if total_sequences <= 0 or max_len <= 0:
-        raise ValueError(f"total_sequences and max_len must be > 0, got {total_sequences} and {max_len}")
+    if min(total_rows, total_sequences, max_len) <= 0:
+        got = f"{total_rows}, {total_sequences}, {max_len}"
+        raise ValueError(f"total_rows, total_sequences and max_len must be > 0, got {got}")
     if not isinstance(total_tokens, Tensor) and total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
-    return reduction(per_token, mask, total_sequences=total_sequences, total_tokens=total_tokens, max_len=max_len)
+    return reduction(
+        per_token,
+        mask,
+        total_rows=total_rows,
+        total_sequences=total_sequences,
+        total_tokens=total_tokens,
+        max_len=max_len,
+    )

@@ -187,7 +187,9 @@ def _grpo(h: HandOff, m: Mapping) -> None:
         )
     else:
         m.skip("grpo.kl.estimator", g.kl.estimator, "verl has no importance-weighted k3 for off-policy updates")
-    m.key(act + ".entropy_coeff", g.entropy_coef, "grpo.entropy_coef")
+    differs = g.entropy_coef and g.loss_reduction != "token_mean"
+    note = f"verl reduces the entropy by loss_agg_mode, lorarl (as TRL) by token mean: {g.loss_reduction} differs"
+    m.key(act + ".entropy_coeff", g.entropy_coef, "grpo.entropy_coef", note if differs else "")
     m.key("algorithm.use_kl_in_reward", False, "", "GRPO puts the KL in the loss, not the reward")
     if g.std_scaling == "batch":
         m.skip("grpo.std_scaling", "batch", "verl divides by the group's std or not at all (group / none)")
