@@ -26,3 +26,22 @@ def ignore_library_warnings() -> None:
 
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 ignore_library_warnings()
+
+# The Python door (lorarl.api), imported on first use so `import lorarl` stays light (the CLI sets thread settings
+# before torch loads).
+_API = ("train", "evaluate", "export", "load_recipe", "Run")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from lorarl import api
+
+        return getattr(api, name)
+    if name == "LorarlError":
+        from lorarl.errors import LorarlError
+
+        return LorarlError
+    raise AttributeError(f"module 'lorarl' has no attribute {name!r}")
+
+
+__all__ = ["LorarlError", "Run", "evaluate", "export", "load_recipe", "train", "__version__"]

@@ -68,30 +68,9 @@ def cmd_train(args) -> int:
     if args.save_every is not None:
         overrides.append(f"train.save_every={args.save_every}")
     recipe = load_recipe(args.recipe, overrides)
-    if recipe.agent is not None:  # a missing tool, function or environment class: one line, before the model loads
-        from lorarl.agents import resolve_agent
-        from lorarl.agents.setup import check_reward_source
+    from lorarl.api import prepare_run_dir  # the checks lorarl.train makes too
 
-        check_reward_source(recipe.reward, recipe.agent, resolve_agent(recipe.agent, recipe.source_path))
-    out = Path(args.out)
-    from lorarl.runstate import PID_FILE, PRE_RUN_FILES, check_not_live
-
-    check_not_live(out)  # never --force away (or resume into) a folder another process is training
-    # the workbench (lorarl.app.jobs) writes DIR/train.log, DIR/launch.json (and this process's DIR/train.pid)
-    # before this process starts: no run yet
-    pre_run = (*PRE_RUN_FILES, PID_FILE)  # (a train.pid naming another live process was refused just above)
-    if out.exists() and any(p.name not in pre_run for p in out.iterdir()) and not args.resume:
-        if not args.force:
-            raise LorarlError(
-                f"{out}: run directory is not empty; pass --resume to continue it or --force to start over"
-            )
-        import shutil
-
-        from lorarl.runstate import VOTES_FILE, VOTES_TIES_FILE
-
-        for p in out.iterdir():  # (a retrain's copy of the votes is its data: kept)
-            if p.name not in (VOTES_FILE, VOTES_TIES_FILE):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    out = prepare_run_dir(recipe, args.out, resume=args.resume, force=args.force)
     from lorarl.algos.loop import train
 
     result = train(recipe, str(out), resume=args.resume, max_steps=args.max_steps)
@@ -111,16 +90,10 @@ def cmd_pipeline(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from lorarl.algos import algorithm_class
-    from lorarl.algos.loop import set_threads
+    from lorarl.api import evaluate_recipe  # what lorarl.evaluate and Run.evaluate call too
     from lorarl.config import load_recipe
 
-    recipe = load_recipe(args.recipe, list(args.overrides))
-    evaluate = getattr(algorithm_class(recipe.algo), "evaluate_checkpoint", None)
-    if evaluate is None:  # every policy-training algorithm: greedy held-out evaluation
-        from lorarl.evaluate import evaluate
-    set_threads()
-    result = evaluate(recipe, args.checkpoint, n=args.n)
+    result = evaluate_recipe(load_recipe(args.recipe, list(args.overrides)), args.checkpoint, n=args.n)
     _print_json_last(result)
     return 0
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from lorarl.errors import LorarlError
 
+PYTHON_PREFIX = "python:"  # lorarl.inmemory.PREFIX (kept here so this module imports nothing of lorarl beyond errors)
+
 
 def load_object(spec: str, what: str, recipe_path: str | Path | None = None, noun: str = "") -> Any:
     """``package.module:attr`` or ``path/to/file.py:attr`` -> the object (a relative file path is looked up from the
@@ -20,9 +22,15 @@ def load_object(spec: str, what: str, recipe_path: str | Path | None = None, nou
     no ``:``, a missing file, a module that fails to import (with its error), a module without ``attr`` (``noun``,
     e.g. "function", names what was expected).
 
+    ``python:NAME`` is an object handed to :func:`lorarl.train` (:mod:`lorarl.inmemory`).
+
     Example: ``load_object("math:sqrt", "reward")`` is ``math.sqrt``; ``load_object("nope.py:f", "tool")`` raises
     ``tool 'nope.py:f': file nope.py not found``.
     """
+    if spec.startswith(PYTHON_PREFIX):  # an object handed to lorarl.train from Python (lorarl.inmemory)
+        from lorarl.inmemory import lookup
+
+        return lookup(spec, what)
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise LorarlError(f"{what} {spec!r}: expected module:name or path/to/file.py:name")

@@ -39,7 +39,18 @@ from lorarl.model.host_memory import release_freed_tensors
 from lorarl.phases import phase, recording
 from lorarl.rollout.fast import engine_metrics
 from lorarl.runs import latest_checkpoint
-from lorarl.runstate import CompletionsLog, StopRequest, check_not_live, clear_pid, mark_crashed, write_pid, write_state
+from lorarl.runstate import (
+    CompletionsLog,
+    StopRequest,
+    check_not_live,
+    clear_pid,
+    mark_crashed,
+    write_json_atomic,
+    write_pid,
+    write_state,
+)
+
+SUMMARY_FILE = "summary.json"  # the run's summary (the dict train returns), written when it ends or stops
 
 
 @dataclass
@@ -249,14 +260,22 @@ def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict]
     return history, False
 
 
-def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None) -> dict:
+def train(
+    recipe: Recipe,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    max_steps: int | None = None,
+    progress: bool = True,
+) -> dict:
     """Train ``recipe``'s algorithm; write the run directory ``out_dir``; return a summary.
 
-    ``out_dir`` gets ``recipe.yaml``, ``metrics.jsonl``, ``completions.jsonl``, ``tb/``, ``checkpoints/step-NNNNNN/``
+    ``out_dir`` gets ``recipe.yaml``, ``metrics.jsonl``, ``summary.json`` (the returned summary), ``completions.jsonl``, ``tb/``, ``checkpoints/step-NNNNNN/``
     (every ``train.save_every`` steps), and at the end the trained adapters (``policy/``, ``critic/``, ``reward/``)
     and ``plot.png``. ``resume`` continues from the newest checkpoint; ``max_steps`` stops after that step (the LR
     schedule still spans the whole run). While it runs, ``train.pid`` names this process and ``state.json`` says how
-    far it got (:mod:`lorarl.runstate`). SIGTERM stops it after the current step with a checkpoint (state
+    far it got (:mod:`lorarl.runstate`). ``progress``: the tqdm.auto bar (a widget in a notebook); False hides it.
+    SIGTERM stops it after the current step with a checkpoint (state
     ``stopped``, no final adapters; the summary has ``"stopped": true``); an exception leaves state ``crashed``.
     """
     t_start = time.perf_counter()
@@ -266,7 +285,9 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
     write_pid(run_dir)
     try:
         with StopRequest() as stop:
-            return train_in(recipe, run_dir, resume, max_steps, stop, t_start)
+            summary = train_in(recipe, run_dir, resume, max_steps, stop, t_start, progress=progress)
+        write_json_atomic(run_dir / SUMMARY_FILE, summary)  # what the CLI prints last; lorarl.Run.summary reads it
+        return summary
     except BaseException as e:
         mark_crashed(run_dir, e, default_last_step=max_steps or recipe.train.steps)
         raise
@@ -275,7 +296,13 @@ def train(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, m
 
 
 def train_in(
-    recipe: Recipe, run_dir: Path, resume: bool, max_steps: int | None, stop: StopRequest, t_start: float
+    recipe: Recipe,
+    run_dir: Path,
+    resume: bool,
+    max_steps: int | None,
+    stop: StopRequest,
+    t_start: float,
+    progress: bool = True,
 ) -> dict:
     """:func:`train` in the run directory ``run_dir`` made by :func:`start_run`."""
     from tqdm.auto import tqdm
@@ -303,7 +330,9 @@ def train_in(
     ctx.update(monitor=monitor, params=params)
     ctx["logger"] = MetricsLogger.for_recipe(run_dir, recipe, resume_step=start_step if resume else None)
     ctx["samples"] = CompletionsLog(run_dir, resume_step=start_step if resume else None)
-    ctx["bar"] = tqdm(total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True)
+    ctx["bar"] = tqdm(
+        total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True, disable=not progress
+    )
 
     # 4. The steps ------------------------------------------------------------------------------------------
     try:

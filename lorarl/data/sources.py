@@ -3,6 +3,8 @@
 ``data.source`` / ``data.eval_source`` may name, tried in this order:
 
 * ``pkg:NAME`` -- a file shipped in ``lorarl/data/``;
+* ``python:NAME`` -- a ``datasets.Dataset`` / ``DatasetDict`` / list of dicts handed to :func:`lorarl.train`
+  (:mod:`lorarl.inmemory`; a list is one split, ``train``);
 * a path (:func:`lorarl.runs.resolve_path`: the current directory, then beside the recipe):
 
   - a ``.jsonl`` file, read line by line (:func:`lorarl.data.files.read_jsonl`: a bad line is named);
@@ -32,6 +34,7 @@ from urllib.parse import urlparse
 
 from lorarl.data.files import read_jsonl
 from lorarl.errors import DataError, LorarlError
+from lorarl.inmemory import dataset_rows, is_python_name, lookup
 from lorarl.runs import PKG_PREFIX, resolve_path
 
 Kind = Literal["train", "eval"]
@@ -217,6 +220,12 @@ def read_source(
     read as ``data.source``). Raises DataError naming ``key`` when the source cannot be read.
     """
     text = str(source)
+    if is_python_name(text):  # a Dataset / DatasetDict / list of dicts handed to lorarl.train (lorarl.inmemory)
+        where = f"{key} {text}"
+        ds = dataset_rows(lookup(text, key), where)
+        if isinstance(ds, list):  # one split, `train`, like a JSON Lines file
+            return (ds if _rows_wanted(kind, split, where, whole) else None), text
+        return _rows_of(ds, kind, split, where, whole), text
     try:
         path = resolve_path(text, recipe_path, key)
     except LorarlError as e:
