@@ -35,7 +35,7 @@ class ModelConfig:
     """The one shared base model."""
 
     name: str = "smollm2-135m"  # a name from `lorarl models`, a local transformers folder, or a hub name
-    quantization: Quantization = "auto"  # nf4 on CUDA, none on CPU (NF4 wrecks a 135M model: measured)
+    quantization: Quantization = "auto"  # CUDA: bf16 if its weights <= 5% of the card, else nf4; CPU: none
     dtype: DType = "auto"  # compute dtype: fp32 on CPU; on CUDA bf16 where native, else fp16 (loss-scaled)
     gradient_checkpointing: bool = True  # recompute activations in backward (memory for ~1/3 more time)
     trust_remote_code: bool = False  # run code shipped with a hub model (off: only transformers' own code)
@@ -75,6 +75,9 @@ class ArithmeticConfig:
 
 # data.answer_pattern presets: a regex whose one group is the answer (GSM8K solutions end with "#### 72")
 ANSWER_PATTERNS = {"gsm8k": r"####\s*(.+?)\s*$"}
+MAX_NEW_TOKENS = 131_072  # generation.max_new_tokens: the longest context of any model lorarl loads
+MAX_ROWS_PER_STEP = 65_536  # train.prompts_per_step x the algorithm's group_size: completions sampled in one step
+MAX_TOKENS_PER_STEP = 2**26  # those completions x generation.max_new_tokens: tokens one step may sample
 
 
 @dataclass
@@ -167,6 +170,9 @@ class GenerationConfig:
     engine: Literal["auto", "hf", "fast"] = "auto"
     eos_check_every: int = 8  # fast engine on CUDA: read "all rows ended?" on the host every k steps (CPU: every step)
     cuda_graphs: bool = True  # fast engine on CUDA: capture the decode step once and replay it
+    # fast engine on an NF4 base: auto = each LoRA layer's base through lorarl's Triton NF4 matmul (up to 256 rows;
+    # lorarl.kernels, docs/rollout_engine.md) where Triton and CUDA are there; off = bitsandbytes' matmul_4bit
+    nf4_kernel: Literal["auto", "off"] = "auto"
 
     def engine_for(self, device_type: str) -> str:
         """The engine this config decodes with on a ``device_type`` device: ``auto`` is ``fast`` on CUDA (its
@@ -182,7 +188,12 @@ class GenerationConfig:
         return self.engine
 
     def validate(self, where: str) -> None:
-        check(self.max_new_tokens >= 1, where, "generation.max_new_tokens", "must be >= 1")
+        check(
+            1 <= self.max_new_tokens <= MAX_NEW_TOKENS,
+            where,
+            "generation.max_new_tokens",
+            f"must be in [1, {MAX_NEW_TOKENS}]",
+        )
         check(self.temperature > 0, where, "generation.temperature", "must be > 0")
         check(0 < self.top_p <= 1, where, "generation.top_p", "must be in (0, 1]")
         check(self.top_k >= 0, where, "generation.top_k", "must be >= 0")
@@ -224,7 +235,12 @@ class TrainConfig:
         check(self.steps >= 1, where, "train.steps", "must be >= 1")
         check(len(set(self.report_to)) == len(self.report_to), where, "train.report_to", "names a tracker twice")
         check(bool(self.project.strip()), where, "train.project", "must not be empty")
-        check(self.prompts_per_step >= 1, where, "train.prompts_per_step", "must be >= 1")
+        check(
+            1 <= self.prompts_per_step <= MAX_ROWS_PER_STEP,
+            where,
+            "train.prompts_per_step",
+            f"must be in [1, {MAX_ROWS_PER_STEP}]",
+        )
         check(
             self.micro_batch_size == "auto" or self.micro_batch_size >= 1,
             where,
@@ -232,6 +248,7 @@ class TrainConfig:
             "must be >= 1 or 'auto'",
         )
         check(self.learning_rate > 0, where, "train.learning_rate", "must be > 0")
+        check(self.learning_rate <= 1, where, "train.learning_rate", "must be <= 1 (an AdamW step of 1 per weight)")
         check(self.warmup_steps >= 0, where, "train.warmup_steps", "must be >= 0")
         check(self.weight_decay >= 0, where, "train.weight_decay", "must be >= 0")
         check(self.max_grad_norm > 0, where, "train.max_grad_norm", "must be > 0")
@@ -310,6 +327,22 @@ class Recipe:
         if getattr(self, self.algo, None) is None:
             setattr(self, self.algo, ALGO_SECTIONS[self.algo]())
 
+    def check_step_size(self, where: str) -> None:
+        """What one step samples stays bounded: rows = ``train.prompts_per_step * <algo>.group_size`` <=
+        :data:`MAX_ROWS_PER_STEP` and rows * ``generation.max_new_tokens`` <= :data:`MAX_TOKENS_PER_STEP` (a
+        recipe past them would take the machine's memory or never finish a step; the planner sizes what fits)."""
+        group = getattr(getattr(self, self.algo), "group_size", 1)
+        rows = self.train.prompts_per_step * group
+        key = f"train.prompts_per_step x {self.algo}.group_size" if group != 1 else "train.prompts_per_step"
+        check(rows <= MAX_ROWS_PER_STEP, where, key, f"= {rows} completions per step; at most {MAX_ROWS_PER_STEP}")
+        tokens = rows * self.generation.max_new_tokens
+        check(
+            tokens <= MAX_TOKENS_PER_STEP,
+            where,
+            f"{key} x generation.max_new_tokens",
+            f"= {tokens} tokens sampled per step; at most {MAX_TOKENS_PER_STEP}",
+        )
+
     def validate(self, where: str) -> None:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
@@ -317,6 +350,7 @@ class Recipe:
                 section.validate(where)
         if self.algo in TRAINS_ON_SAMPLES:
             self.generation.validate_for_training(where)
+        self.check_step_size(where)
         env_reward = self.agent is not None and bool(self.agent.environment)  # its get_reward (checked at import)
         check(
             self.reward.source == "reward_model" or bool(self.reward.functions) or env_reward,
