@@ -115,10 +115,10 @@ def documented() -> tuple[dict[str, set[str]], list[tuple[str, str]], list[tuple
 
 
 def test_the_extractor_reads_each_form():
-    """The patterns find what the README uses: keys in prose, overrides in commands, keys with values."""
+    """The patterns find what the docs use: keys in prose, overrides in commands, keys with values."""
     keys, overrides, blocks = documented()
     assert {"grpo.kl.coef", "train.keep_best", "ppo.kl.estimator", "data.columns", "eval.every"} <= set(keys)
-    assert ("README.md", "grpo.kl.coef=0.04") in overrides
+    assert ("cli.md", "grpo.kl.coef=0.04") in overrides
     assert any(name == "recipes_24gb.md" for name, _ in blocks)
     assert not {k for k in keys if k.endswith((".py", ".json"))}
     # the schema walk itself: real keys, moved keys, a free mapping's keys pass; made-up ones do not
