@@ -126,6 +126,20 @@ def parity_failure(mean_abs: float, max_abs: float, tolerance: float) -> str | N
     )
 
 
+def nonfinite_weights_error(params: list[Tensor]) -> str | None:
+    """Why the trained weights cannot be kept, or None: ``n`` of ``N`` entries NaN or inf (a step of
+    ``train.learning_rate`` large enough to overflow; the non-finite-gradient guard only sees gradients). Example:
+    one tensor ``[1.0, inf]`` -> ``"1 of 2 trained weights are NaN or inf after the update; ..."``."""
+    bad = sum(int((~torch.isfinite(p.detach())).sum()) for p in params)
+    if not bad:
+        return None
+    total = sum(p.numel() for p in params)
+    return (
+        f"{bad} of {total} trained weights are NaN or inf after the update; the run stops (lower train.learning_rate; "
+        "the newest checkpoint holds the last finite adapter)"
+    )
+
+
 @dataclass
 class HealthMonitor:
     """Watches the metric rows of a run (and the trained adapter's weights); returns warnings, raises on failure."""
@@ -158,7 +172,11 @@ class HealthMonitor:
         )
 
     def check(self, step: int, row: dict, params: list[Tensor]) -> list[str]:
-        """Check one step's metrics; add ``health/...`` values to ``row``; return new warnings (each said once)."""
+        """Check one step's metrics; add ``health/...`` values to ``row``; return new warnings (each said once).
+        Trained weights that are NaN or inf after the step stop the run (:func:`nonfinite_weights_error`)."""
+        msg = nonfinite_weights_error(params)
+        if msg:
+            raise LorarlError(f"step {step}: {msg}")
         corrected = None
         if PARITY_MEAN in row:
             msg = parity_failure(row[PARITY_MEAN], row[PARITY_MAX], self.parity_tolerance)

@@ -19,6 +19,7 @@ from fractions import Fraction
 MAX_EXPRESSION_CHARS = 500
 MAX_POWER = 10_000  # |exponent| cap: 2 ** 10**9 would take the machine's memory
 MAX_DIGITS = 4_000  # results with more digits are refused (exact, but useless to a model and slow to print)
+MAX_BITS = 40_000  # every intermediate result (numerator and denominator) stays under this many bits (~12,000 digits)
 
 _BINARY = {
     ast.Add: operator.add,
@@ -41,6 +42,23 @@ def _number(node: ast.Constant) -> int | Fraction:
     return Fraction(repr(value))  # the decimal the model wrote, exactly ("0.1" -> 1/10)
 
 
+def _bits(x: int | Fraction) -> int:
+    """The size of an exact number: bits of an int, of a fraction's numerator plus denominator."""
+    if isinstance(x, Fraction):
+        return x.numerator.bit_length() + x.denominator.bit_length()
+    return x.bit_length()
+
+
+def result_bits(op: ast.operator, left: int | Fraction, right: int | Fraction) -> int:
+    """An upper bound on the size (:func:`_bits`) of ``left op right``, known before computing it:
+    ``a ** n`` has at most ``bits(a) * |n|`` bits (each of numerator and denominator); ``+ - * / // %`` at most
+    ``bits(a) + bits(b) + 1`` (a sum of fractions multiplies the denominators). Example: ``9 ** 9999`` -> 4 * 9999 =
+    39,996 bits (allowed; it has 31,697), ``(9 ** 9999) ** 999`` -> 31,697 * 999 = 31,665,303 bits (refused)."""
+    if isinstance(op, ast.Pow):
+        return max(_bits(left), 1) * abs(int(right))
+    return _bits(left) + _bits(right) + 1
+
+
 def _eval(node: ast.AST) -> int | Fraction:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
@@ -56,6 +74,9 @@ def _eval(node: ast.AST) -> int | Fraction:
             if abs(int(right)) > MAX_POWER:
                 raise ValueError(f"exponent larger than {MAX_POWER}")
             right = int(right)
+        if result_bits(node.op, left, right) > MAX_BITS:
+            raise ValueError(f"an intermediate result would have more than {MAX_BITS} bits (about 12,000 digits)")
+        if isinstance(node.op, ast.Pow):
             if right < 0:
                 return Fraction(1) / Fraction(left) ** -right
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
@@ -103,8 +124,15 @@ def calculator(expression: str) -> str:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
         raise ValueError(f"cannot parse {expression!r} as arithmetic") from None
-    value = _eval(tree)
-    out = format_number(value)
+    try:
+        value = _eval(tree)
+        out = format_number(value)
+    except RecursionError:
+        raise ValueError("expression nested too deeply") from None
+    except ValueError as e:
+        if "integer string conversion" not in str(e):
+            raise
+        raise ValueError(f"result has more than {MAX_DIGITS} digits") from None
     if len(out) > MAX_DIGITS:
         raise ValueError(f"result has more than {MAX_DIGITS} digits")
     return out

@@ -20,7 +20,6 @@ and answered with an error message, like a failed tool.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -55,8 +54,11 @@ def _as_call(obj: Any, args_key: str) -> ToolCall | str:
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models write the arguments as a JSON string (OpenAI's wire format)
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            text = args.strip()
+            args, stop = decode_json(text)
+            if stop != len(text):
+                raise ValueError("extra data")
+        except ValueError:
             return f"the {args_key} of {name!r} are not JSON"
     if args is None:
         args = {}
@@ -65,29 +67,83 @@ def _as_call(obj: Any, args_key: str) -> ToolCall | str:
     return ToolCall(name, args)
 
 
-_TAGGED = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+MAX_CALLS_PER_TURN = 32  # tagged blocks read from one turn; the rest of the turn is one malformed call
+MAX_JSON_DEPTH = 64  # brackets a call's JSON may nest (1,000 "[" would reach the interpreter's recursion limit)
+
+
+def json_depth(text: str) -> int:
+    """How deep the brackets of a JSON text nest (``{`` and ``[`` outside strings), in one pass. Example:
+    ``'{"a": [1, "[["]}'`` -> 2."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def decode_json(text: str, start: int = 0) -> tuple[Any, int]:
+    """``json.JSONDecoder().raw_decode(text, start)``, refusing (ValueError, one line) JSON nested past
+    :data:`MAX_JSON_DEPTH` and what Python's decoder raises besides JSONDecodeError (an integer past its 4,300
+    digits)."""
+    if json_depth(text[start:]) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} brackets")
+    try:
+        return json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError as e:
+        raise ValueError(e.msg) from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(str(e).split(";")[0] or type(e).__name__) from None
 
 
 def parse_tagged(text: str) -> ParsedTurn:
     """``<tool_call>{json}</tool_call>`` blocks (hermes, system_prompt). An opening tag without its closing tag is
     malformed too. Example: ``'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'`` -> one call
-    ``f(x=1)``, content ``"a"``."""
+    ``f(x=1)``, content ``"a"``. Linear in the text: each tag is found once, from where the last block ended (the
+    first ``</tool_call>`` after an opening tag closes it); past :data:`MAX_CALLS_PER_TURN` blocks the rest of the turn
+    is one malformed call."""
     out = ParsedTurn()
-    for m in _TAGGED.finditer(text):
-        body = m.group(1).strip()
+    content: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(OPEN_TAG, pos)
+        if start < 0:
+            content.append(text[pos:])
+            break
+        content.append(text[pos:start])
+        if len(out.calls) + len(out.malformed) >= MAX_CALLS_PER_TURN:
+            out.malformed.append(f"more than {MAX_CALLS_PER_TURN} calls in one turn: " + text[start : start + 200])
+            break
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end < 0:
+            out.malformed.append(f"{OPEN_TAG} without {CLOSE_TAG}: " + text[start : start + 200])
+            break
+        body = text[start + len(OPEN_TAG) : end].strip()
         try:
-            call = _as_call(json.loads(body), "arguments")
-        except json.JSONDecodeError as e:
-            call = f"not JSON ({e.msg})"
+            obj, stop = decode_json(body)
+            extra = body[stop:].strip()
+            call = _as_call(obj, "arguments") if not extra else f"not JSON (Extra data: {extra[:20]!r})"
+        except ValueError as e:
+            call = f"not JSON ({e})"
         if isinstance(call, ToolCall):
             out.calls.append(call)
         else:
             out.malformed.append(f"{call}: {body[:200]}")
-    rest = _TAGGED.sub("", text)
-    if "<tool_call>" in rest:
-        out.malformed.append("<tool_call> without </tool_call>: " + rest[rest.index("<tool_call>") :][:200])
-        rest = rest[: rest.index("<tool_call>")]
-    out.content = rest.strip()
+        pos = end + len(CLOSE_TAG)
+    out.content = "".join(content).strip()
     return out
 
 
@@ -100,17 +156,19 @@ def parse_llama_json(text: str) -> ParsedTurn:
     if not body.startswith("{"):
         out.content = text.strip()
         return out
-    decoder = json.JSONDecoder()
     i = 0
     while i < len(body):
         while i < len(body) and body[i] in " \t\r\n;":
             i += 1
         if i >= len(body):
             break
+        if len(out.calls) + len(out.malformed) >= MAX_CALLS_PER_TURN:
+            out.malformed.append(f"more than {MAX_CALLS_PER_TURN} calls in one turn: {body[i : i + 200]}")
+            break
         try:
-            obj, end = decoder.raw_decode(body, i)
-        except json.JSONDecodeError as e:
-            out.malformed.append(f"not JSON ({e.msg}): {body[i : i + 200]}")
+            obj, end = decode_json(body, i)
+        except ValueError as e:
+            out.malformed.append(f"not JSON ({e}): {body[i : i + 200]}")
             break
         call = _as_call(obj, "parameters")
         if isinstance(call, ToolCall):

@@ -19,7 +19,7 @@ import inspect
 import json
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +157,6 @@ def call_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: floa
     """Call tool ``name`` with ``arguments`` (a dict from the model's JSON). Never raises: an unknown tool, bad
     arguments, an exception, a run past ``timeout_s`` seconds or a result that is not text or JSON is a
     :class:`ToolResult` whose ``text`` is ``{"error": "..."}`` (TRL's shape) and whose ``error`` says what."""
-    from lorarl.rewards.scorer import call_with_timeout
 
     def fail(msg: str) -> ToolResult:
         return ToolResult(name, json.dumps({"error": msg}), msg)
@@ -172,13 +171,57 @@ def call_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: floa
         if inspect.iscoroutinefunction(tool.fn):  # an async tool (TRL runs them too): awaited under the time limit
             value = run_coroutine(tool.fn(**arguments), timeout_s)
         else:
-            value = call_with_timeout(lambda: resolve_awaitable(tool.fn(**arguments)), timeout_s)
+            value = call_stoppable(lambda: resolve_awaitable(tool.fn(**arguments)), timeout_s)
         return ToolResult(name, result_text(value, max_chars))
     except Exception as e:  # the tool's problem is told to the model, never raised (RewardTimeout included)
         msg = str(e) or type(e).__name__
         if type(e).__name__ in ("RewardTimeout", "TimeoutError"):
             msg = f"timed out after {timeout_s:g} s"
         return fail(f"{name}: {msg}")
+
+
+class ToolStopped(BaseException):
+    """Raised inside a tool's helper thread once its call is past its time limit (a BaseException, so a tool's
+    ``except Exception`` does not swallow it)."""
+
+
+def call_stoppable(fn: Callable[[], Any], timeout_s: float | None) -> Any:
+    """``fn()`` under a ``timeout_s`` wall-clock limit on any thread (None or <= 0: no limit); past it raises
+    ``TimeoutError``. On the main thread a SIGALRM interrupts the call (:func:`lorarl.rewards.scorer.call_with_timeout`).
+    On any other thread (the chat, ``agent.tool_workers`` > 1) ``fn`` runs in a helper thread; at the limit the caller
+    gets ``TimeoutError`` and the helper is stopped: :class:`ToolStopped` is raised inside it (CPython's
+    ``PyThreadState_SetAsyncExc``), which ends Python code at its next bytecode, so no thread is left running a
+    timed-out tool. One C call that holds the interpreter lock (a huge integer power) cannot be interrupted by any
+    thread: the built-in tools bound their work instead (:data:`lorarl.agents.builtins.MAX_BITS`)."""
+    from lorarl.rewards.scorer import call_with_timeout
+
+    if not timeout_s or timeout_s <= 0 or threading.current_thread() is threading.main_thread():
+        return call_with_timeout(fn, timeout_s)
+    done: Future = Future()
+
+    def target() -> None:
+        try:
+            done.set_result(fn())
+        except ToolStopped:  # the caller has gone on with its time-out
+            pass
+        except BaseException as e:  # handed to the caller by done.result()
+            done.set_exception(e)
+
+    helper = threading.Thread(target=target, daemon=True, name="lorarl-tool-call")
+    helper.start()
+    try:
+        return done.result(timeout=timeout_s)
+    except FutureTimeout:
+        stop_thread(helper)
+        raise TimeoutError(f"timed out after {timeout_s:g} s") from None
+
+
+def stop_thread(thread: threading.Thread) -> None:
+    """Raise :class:`ToolStopped` inside ``thread`` at its next Python bytecode (a no-op once it has ended)."""
+    import ctypes
+
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(ToolStopped))
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
@@ -236,7 +279,7 @@ def call_tools(
     concurrently on up to ``workers`` threads (tools that wait on a process, a sandbox or the network overlap); the
     calls of one row run one after the other, in order (an environment's calls may depend on each other). With
     ``workers`` 1 (the default) every call runs in this thread, where a time limit interrupts Python code (SIGALRM);
-    in worker threads a call past its limit is abandoned, not stopped, and tools must be thread-safe. Results come
+    in worker threads a call past its limit is stopped by :func:`call_stoppable`, and tools must be thread-safe. Results come
     back in the same layout; :func:`call_tool` never raises."""
 
     def run_row(calls: list[PendingCall]) -> list[ToolResult]:

@@ -70,13 +70,14 @@ def read_recipe(run: Path) -> dict | None:
     unreadable. Read leniently and without validation: a bad recipe only costs the run its reward scorers."""
     import yaml
 
+    from lorarl.config import yaml_load
     from lorarl.config.migrate import migrate
 
     f = run / "recipe.yaml"
     if not f.is_file():
         return None
     try:
-        data = yaml.safe_load(f.read_text(encoding="utf-8"))
+        data = yaml_load(f.read_text(encoding="utf-8"))  # aliases bounded, like every recipe
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     if not isinstance(data, dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -22,13 +23,87 @@ import yaml
 from lorarl.config.algorithms import ALGO_SECTIONS, USES
 from lorarl.config.migrate import migrate, migrate_path
 from lorarl.config.schema import Recipe
-from lorarl.errors import RecipeError
+from lorarl.errors import RecipeError, quote
 
 _NOT_YAML_KEYS = {"source_path"}
 
 
+MAX_YAML_NODES = 20_000  # values a YAML document may hold once its aliases are expanded (recipes hold < 1,000)
+MAX_INT = 2**31 - 1  # |int| of any recipe key
+MAX_FLOAT = 1e12  # |float| of any recipe key
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-4`` as a float (YAML 1.2), not as the string PyYAML's YAML 1.1 gives."""
+    """SafeLoader that reads ``1e-4`` as a float (YAML 1.2), not as the string PyYAML's YAML 1.1 gives; refuses a
+    document whose aliases expand past :data:`MAX_YAML_NODES` values (an "alias bomb": a few lines of nested
+    aliases that expand to billions of values), a recursive alias and a key written twice in one mapping."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        expanded_size(node)
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {quote(key_node.value)} is written twice in one mapping (first on line "
+                        f"{seen[key_node.value] + 1}); the second would replace the first",
+                        key_node.start_mark,
+                    )
+                seen[key_node.value] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def expanded_size(root: yaml.Node, limit: int = MAX_YAML_NODES) -> int:
+    """The number of values in a composed YAML document once every alias is expanded (an alias counts what its
+    anchor holds, each time it is used), computed without expanding: each node's size once, memoised, in time linear
+    in the document's text. Raises ``yaml.composer.ComposerError`` past ``limit`` or on a recursive alias. Example: ``a: &x [1, 2]``
+    / ``b: [*x, *x]`` -> 1 (the top mapping) + 2 keys + 3 ([1, 2]) + 7 ([*x, *x]) = 13."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = _children(node)
+        if done:
+            open_.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > limit:
+                raise yaml.composer.ComposerError(
+                    None, None, f"its aliases expand to more than {limit} values (an alias bomb?)", node.start_mark
+                )
+            continue
+        if id(node) in open_:
+            raise _recursive(node)
+        open_.add(id(node))
+        stack.append((node, True))
+        for c in children:
+            if id(c) in open_:
+                raise _recursive(node)
+            if id(c) not in sizes:
+                stack.append((c, False))
+    return sizes[id(root)]
+
+
+def _recursive(node: yaml.Node) -> yaml.YAMLError:
+    return yaml.composer.ComposerError(None, None, "an alias refers to a collection that holds it", node.start_mark)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 _Loader.add_implicit_resolver(
@@ -70,7 +145,7 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        raise RecipeError(f"{where}: {key} must be one of {_type_name(tp)}, got {value!r}")
+        raise RecipeError(f"{where}: {key} must be one of {_type_name(tp)}, got {quote(value)}")
     if origin in (Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):  # an optional section left unset stays unset
             return None
@@ -83,19 +158,19 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
                 return _coerce(value, option, key, where)
             except RecipeError as e:
                 errors.append(e)
-        raise RecipeError(f"{where}: {key} must be {_type_name(tp)}, got {value!r}")
+        raise RecipeError(f"{where}: {key} must be {_type_name(tp)}, got {quote(value)}")
     if tp is type(None):
         if value is None:
             return None
-        raise RecipeError(f"{where}: {key} must be null, got {value!r}")
+        raise RecipeError(f"{where}: {key} must be null, got {quote(value)}")
     if origin is list:
         if not isinstance(value, list):
-            raise RecipeError(f"{where}: {key} must be a list, got {value!r}")
+            raise RecipeError(f"{where}: {key} must be a list, got {quote(value)}")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise RecipeError(f"{where}: {key} must be a mapping, got {value!r}")
+            raise RecipeError(f"{where}: {key} must be a mapping, got {quote(value)}")
         return dict(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, where)
@@ -104,23 +179,31 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise RecipeError(f"{where}: {key} must be an int of at most {MAX_INT} in size, got {quote(value)}")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RecipeError(f"{where}: {key} must be a finite number, got {value}")
+            if abs(value) > MAX_FLOAT:
+                raise RecipeError(
+                    f"{where}: {key} must be a number of at most {MAX_FLOAT:g} in size, got {quote(value)}"
+                )
             return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value
     elif tp is Any:
         return value
-    raise RecipeError(f"{where}: {key} must be {_type_name(tp)}, got {value!r}")
+    raise RecipeError(f"{where}: {key} must be {_type_name(tp)}, got {quote(value)}")
 
 
 def _build(cls: type, data: Any, prefix: str, where: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{where}: {prefix or 'the recipe'} must be a mapping, got {data!r}")
+        raise RecipeError(f"{where}: {prefix or 'the recipe'} must be a mapping, got {quote(data)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_YAML_KEYS]
     kwargs = {}
@@ -167,15 +250,15 @@ def _paths_with_key(key: str, cls: type = Recipe, prefix: str = "") -> list[str]
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"grpo.kl_coef=0.04"`` -> (["grpo", "kl_coef"], 0.04). The value is parsed as YAML."""
     if "=" not in text:
-        raise RecipeError(f"override {text!r} must look like section.key=value")
+        raise RecipeError(f"override {quote(text)} must look like section.key=value")
     key, raw = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if not path:
-        raise RecipeError(f"override {text!r} has no key")
+        raise RecipeError(f"override {quote(text)} has no key")
     try:
         value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise RecipeError(f"override {text!r}: value is not valid YAML ({e.problem})") from None
+        raise RecipeError(f"override {quote(text)}: value is not valid YAML ({getattr(e, 'problem', e)})") from None
     return path, value
 
 
@@ -196,7 +279,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[tuple[
             if nxt is None:
                 nxt = node[part] = {}
             if not isinstance(nxt, dict):
-                raise RecipeError(f"override {text!r}: {part} is not a section")
+                raise RecipeError(f"override {quote(text)}: {part} is not a section")
             node = nxt
         node[path[-1]] = value
     return out, moved

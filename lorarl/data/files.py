@@ -23,6 +23,9 @@ def read_jsonl(path: Path, objects: bool = True) -> list:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # an int past 4,300 digits, brackets nested past the stack
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+                raise DataError(f"{path}: line {line_no} (row {len(rows)}) cannot be read ({why})") from None
             if objects and not isinstance(row, dict):
                 raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not a JSON object")
             rows.append(row)

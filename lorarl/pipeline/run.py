@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from lorarl.config import yaml_load
 from lorarl.errors import LorarlError
 from lorarl.pipeline.report import Row, eval_row, stage_row, summary_table
 from lorarl.pipeline.spec import Pipeline, Stage
@@ -48,7 +49,7 @@ def prepare_out(pipe: Pipeline, out: Path, resume: bool, force: bool) -> None:
     if out.exists() and any(out.iterdir()):
         if resume:
             if saved.is_file():
-                before = [(s["name"], s["algo"]) for s in yaml.safe_load(saved.read_text())["stages"]]
+                before = [(s["name"], s["algo"]) for s in yaml_load(saved.read_text())["stages"]]
                 now = [(s.name, s.algo) for s in pipe.stages]
                 if before != now:
                     raise LorarlError(

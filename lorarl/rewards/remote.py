@@ -13,27 +13,31 @@ chat template -- followed by the completion; ``labels``: the ``answer`` column, 
 The answer must be a JSON list of ``N`` numbers or ``null`` (``null``: does not apply, left out like a reward
 function's ``None``), or an object holding that list under ``"rewards"`` (what OpenRLHF's reward servers return).
 
-Failures: a connection error, a timeout (``remote.timeout_s`` per request) or HTTP 429 / 5xx is retried
+Failures: a connection error, a timeout (``remote.timeout_s`` per request: connecting, sending and reading the
+whole answer, however slowly the server trickles it) or HTTP 429 / 5xx is retried
 ``remote.retries`` times after ``backoff_s * 2**(k-1)`` seconds; any other HTTP status, an answer that is not JSON,
 of the wrong length or holding a non-number fails at once. A failed call is one :class:`RemoteRewardError` with one
 line naming the URL and the cause; the scorer counts it (the function's column is NaN for that batch, left out),
-against ``reward.max_failure_fraction``. The request runs in a worker thread of the scoring call's event loop, so a
-remote reward runs concurrently with the other ``async`` rewards.
+against ``reward.max_failure_fraction``. The request is asyncio's own HTTP/1.1 exchange on the scoring call's event
+loop (no thread to leak when a server stalls), so a remote reward runs concurrently with the other ``async``
+rewards. It speaks plain ``http://`` and ``https://`` (system certificates) to the URL itself: no proxy, no redirects
+(a 3xx is a failed call); an answer is read up to :data:`MAX_ANSWER_BYTES`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Any
 
 from lorarl.config.rewards import RemoteRewardConfig
 from lorarl.core.messages import completion_text
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
+MAX_ANSWER_BYTES = 16 * 2**20  # a longer answer is a failed call
 
 
 class RemoteRewardError(Exception):
@@ -100,26 +104,27 @@ class RemoteReward:
         self._retries = 0
         self._seconds = 0.0
 
-    def _post(self, data: bytes) -> Any:
-        req = urllib.request.Request(
-            self.cfg.url, data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
+    async def _post(self, data: bytes) -> Any:
+        """One POST and its decoded JSON answer, all of it within ``remote.timeout_s`` seconds."""
+        url = self.cfg.url
         try:
-            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            if e.code in RETRY_STATUS:
-                raise _Retryable(f"HTTP {e.code} {e.reason}") from None
-            raise RemoteRewardError(f"{self.cfg.url}: HTTP {e.code} {e.reason}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-                raise _Retryable(f"no answer within {self.cfg.timeout_s:g} s") from None
-            raise _Retryable(f"{type(reason).__name__}: {reason}") from None
+            code, reason, raw = await asyncio.wait_for(http_post(url, data), self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            raise _Retryable(f"no answer within {self.cfg.timeout_s:g} s") from None
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        except OSError as e:  # cannot connect (refused, unknown host, TLS)
+            raise _Retryable(f"{type(e).__name__}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise RemoteRewardError(f"{url}: {e}") from None
+        if code in RETRY_STATUS:
+            raise _Retryable(f"HTTP {code} {reason}")
+        if not 200 <= code < 300:
+            raise RemoteRewardError(f"{url}: HTTP {code} {reason}")
         try:
             return json.loads(raw)
-        except ValueError:
-            raise RemoteRewardError(f"{self.cfg.url}: answered non-JSON ({raw[:80]!r})") from None
+        except (ValueError, RecursionError):
+            raise RemoteRewardError(f"{url}: answered non-JSON ({raw[:80]!r})") from None
 
     async def __call__(self, prompts: list, completions: list, **columns) -> list[float | None]:
         t0 = time.monotonic()
@@ -128,12 +133,11 @@ class RemoteReward:
             data = json.dumps(request_body(prompts, completions, columns), default=_jsonable).encode()
         except (TypeError, ValueError) as e:
             raise RemoteRewardError(f"{self.cfg.url}: the batch cannot be sent as JSON ({e})") from None
-        loop = asyncio.get_running_loop()
         attempts = self.cfg.retries + 1
         try:
             for attempt in range(1, attempts + 1):
                 try:
-                    payload = await loop.run_in_executor(None, self._post, data)
+                    payload = await self._post(data)
                     break
                 except _Retryable as e:
                     if attempt == attempts:
@@ -150,3 +154,71 @@ class RemoteReward:
     def step_metrics(self) -> dict[str, float]:
         """``rewards/remote/retries`` and ``rewards/remote/seconds`` of the last call."""
         return {"retries": float(self._retries), "seconds": self._seconds}
+
+
+async def http_post(url: str, data: bytes) -> tuple[int, str, bytes]:
+    """POST ``data`` (JSON) to an ``http://`` / ``https://`` URL over asyncio streams -> ``(status, reason, body)``.
+    The caller bounds it with ``asyncio.wait_for`` (cancelling it closes the connection). Raises ValueError (one line)
+    on an answer that is not HTTP/1.x or longer than :data:`MAX_ANSWER_BYTES`; OSError / ConnectionError /
+    ``asyncio.IncompleteReadError`` on the connection's failures."""
+    u = urllib.parse.urlsplit(url)
+    https = u.scheme == "https"
+    reader, writer = await asyncio.open_connection(
+        u.hostname, u.port or (443 if https else 80), ssl=ssl.create_default_context() if https else None
+    )
+    try:
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        head = (
+            f"POST {target} HTTP/1.1\r\nHost: {u.netloc.rsplit('@', 1)[-1]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\nUser-Agent: lorarl\r\n\r\n"
+        )
+        writer.write(head.encode("latin-1") + data)
+        await writer.drain()
+        status = (await reader.readline()).decode("latin-1").split(" ", 2)
+        if len(status) < 2 or not status[0].startswith("HTTP/1.") or not status[1].isdigit():
+            raise ValueError(f"answered something that is not HTTP/1.x ({' '.join(status)[:60]!r})")
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+            if len(headers) > 100:
+                raise ValueError("answered more than 100 header lines")
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            body = await _read_chunked(reader)
+        elif "content-length" in headers:
+            size = int(headers["content-length"]) if headers["content-length"].isdigit() else -1
+            if not 0 <= size <= MAX_ANSWER_BYTES:
+                raise ValueError(f"answered a Content-Length of {headers['content-length'][:20]!r}")
+            body = await reader.readexactly(size)
+        else:
+            body = await _read_to_end(reader)
+        return int(status[1]), (status[2].strip() if len(status) > 2 else ""), body
+    finally:
+        writer.close()
+
+
+async def _read_to_end(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while chunk := await reader.read(65536):
+        body += chunk
+        if len(body) > MAX_ANSWER_BYTES:
+            raise ValueError(f"answered more than {MAX_ANSWER_BYTES} bytes")
+    return bytes(body)
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while True:
+        size_text = (await reader.readline()).split(b";")[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise ValueError(f"answered a malformed chunk size ({size_text[:20]!r})") from None
+        if size == 0:
+            while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
+                pass
+            return bytes(body)
+        if len(body) + size > MAX_ANSWER_BYTES:
+            raise ValueError(f"answered more than {MAX_ANSWER_BYTES} bytes")
+        body += await reader.readexactly(size)
+        await reader.readline()
