@@ -1,7 +1,7 @@
-"""``python -m lorarl.export.gap`` (tiny model, CPU): the figures of the README's "NF4 training model vs merged
+"""``python -m lorarl.export.gap`` (tiny model, CPU): the figures of docs/exporting.md's "NF4 training model vs merged
 full-precision export" table — both models' held-out accuracy, their logits' max / mean |diff| and top-1 agreement
 on the same tokens, identical greedy completions — by hand, on identical models, on a perturbed adapter against an
-independent PEFT computation, and on a real NF4 base; and the table as the README prints it."""
+independent PEFT computation, and on a real NF4 base; and the table as docs/exporting.md prints it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_logit_gap_by_hand():
 
 
 def test_table_is_the_readme_format():
-    """The figures of docs/measurements/nf4_gap_smollm2_135m.json render as the README's rows."""
+    """The figures of docs/measurements/nf4_gap_smollm2_135m.json render as docs/exporting.md's rows."""
     result = {
         "training_model": "lorarl SharedBase + policy adapter (nf4 base, cpu)",
         "merged_dtype": "fp32",

@@ -227,7 +227,7 @@ def test_reward_model_pairs_end_with_the_end_of_turn_id(rm_run, tiny_model_dir):
 
 
 def test_reward_model_forms_script_scores_as_the_rl_loops_do(rm_run, tiny_model_dir, tmp_path, capsys):
-    """scripts/reward_model_forms.py (what the README's reward-model probe ran): each form's mean over the prompts,
+    """scripts/reward_model_forms.py (the probe of docs/ppo_dpo_results.md): each form's mean over the prompts,
     with the right and a wrong sum; its batched, left-padded scores equal one unpadded row scored alone."""
     import importlib.util
     from pathlib import Path

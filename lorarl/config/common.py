@@ -21,7 +21,7 @@ class LoraSettings:
 
     r: int = 16  # rank
     alpha: float = 32.0  # scaling alpha / r
-    dropout: float = 0.0  # LoRA dropout (off while sampling and scoring; see README "What is sampled is scored")
+    dropout: float = 0.0  # LoRA dropout (off while sampling and scoring: docs/how_it_works.md)
     target_modules: Union[str, list[str]] = "all-linear"  # noqa: UP007  PEFT's target_modules
 
     def validate(self, where: str, prefix: str = "lora") -> None:

@@ -11,8 +11,8 @@ from the same prompts (the run's held-out prompts, as the fidelity gate :mod:`.g
 - ``greedy_agreement``: the fraction of prompts whose two greedy completions decode to the identical text (the
   gate's definition; ``token_agreement``: identical ids).
 
-:func:`gap_table` renders these as the README's "NF4 training model vs merged full-precision export" table. Command
-line (prints the table; ``--json FILE`` also writes every figure)::
+:func:`gap_table` renders these as the "NF4 training model vs merged full-precision export" table of
+docs/exporting.md. Command line (prints the table; ``--json FILE`` also writes every figure)::
 
     python -m lorarl.export.gap RUN_DIR [--n 64] [--merged DIR] [--merged-dtype fp32] [--checkpoint NAME] [--json F]
 """
@@ -174,7 +174,7 @@ def _pct(v: float | None, digits: int = 1) -> str:
 
 
 def gap_table(result: dict) -> str:
-    """The README's table of a :func:`measure_nf4_gap` result (markdown, one line per row)."""
+    """The docs' table (docs/exporting.md) of a :func:`measure_nf4_gap` result (markdown, one line per row)."""
     trained = "NF4 base + LoRA (what trained)" if "nf4 base" in result["training_model"] else result["training_model"]
     merged = f"merged {result['merged_dtype']} export"
     return "\n".join(
