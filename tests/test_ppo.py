@@ -417,3 +417,88 @@ def test_first_minibatch_ratio_is_one_with_lora_dropout(tiny_model_dir, tmp_path
     algo.step(algo.batch(1))
     assert len(seen[0]) > 10
     torch.testing.assert_close(seen[0], torch.ones_like(seen[0]), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ failed rewards
+
+
+def test_rewarded_rows_hand_values():
+    from lorarl.algos.ppo import rewarded_rows
+
+    total = torch.tensor([1.0, float("nan"), float("nan"), -2.0])
+    truncated = torch.tensor([False, False, True, True])
+    assert rewarded_rows(total, truncated, None).tolist() == [True, False, False, True]
+    assert rewarded_rows(total, truncated, -1.0).tolist() == [True, False, True, True]  # the penalty is its score
+
+
+HALF_FAILING = '''
+def half(prompts, completions, **kw):
+    """1, 2, 3, ... on even rows; NaN (a failed value) on odd rows."""
+    return [float("nan") if i % 2 else float(i + 1) for i in range(len(completions))]
+'''
+
+
+def test_a_row_whose_reward_failed_is_left_out_of_the_update(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A reward function that fails (NaN) on the odd rows of 8: those rows leave the mask the losses, GAE and
+    whitening read (no advantage, no value target), the step's reward is the mean over the rewarded rows
+    (1 + 3 + 5 + 7) / 4 = 4, not the old (16 + 4 zeros) / 8 = 2, and the failure is reported with what PPO does."""
+    from lorarl.algos.ppo import PPO
+
+    (tmp_path / "half.py").write_text(HALF_FAILING)
+    d = toy_recipe(tiny_model_dir, tmp_path, minibatch_size=4, epochs=1)
+    d["reward"] = {"functions": [{"name": f"{tmp_path / 'half.py'}:half"}], "max_failure_fraction": 1.0}
+    d["train"].update(prompts_per_step=8, micro_batch_size=4)
+    recipe = recipe_from_dict(d)
+    algo = PPO(recipe, SharedBase.load(recipe.model))
+    seen = {}
+
+    def capture(data, step):
+        seen["data"] = data
+        return {}, 0, False
+
+    monkeypatch.setattr(algo, "optimise", capture)
+    metrics = algo.step(algo.batch(1))
+    data = seen["data"]
+    odd, even = torch.arange(1, 8, 2), torch.arange(0, 8, 2)
+    assert not data.mask[odd].any()
+    assert torch.equal(data.mask[even], data.rollout.loss_mask[even]) and data.mask[even].any(dim=1).all()
+    assert torch.all(data.advantages[odd] == 0) and torch.all(data.returns[odd] == 0)
+    kept = data.advantages[data.mask]  # whitened over the rewarded rows' tokens alone: mean 0, unbiased std 1
+    assert float(kept.mean()) == pytest.approx(0.0, abs=1e-5)
+    assert float(kept.std()) == pytest.approx(1.0, abs=1e-3)
+    assert metrics["reward"] == pytest.approx(4.0)
+    out = capsys.readouterr().out
+    assert (
+        "step 1: reward half failed (4 of 8 values failed (returned NaN)); its rows are left out of the update" in out
+    )
+
+
+def test_reward_source_both_leaves_a_row_without_a_rule_value_out(monkeypatch):
+    """reward.source both: total = model_weight * RM score + the rules' total; a row whose rule functions failed
+    is NaN (left out, as with rules alone), not the reward model's score with the rules counted as 0.
+    Hand values: weight 0.5, RM [10, 20, 30], rules [1, NaN, 3] -> [6, NaN, 18]."""
+    import types
+
+    from lorarl.rewards import source
+    from lorarl.rewards.scorer import RewardScores
+
+    class Rollout(types.SimpleNamespace):
+        def __len__(self):
+            return 3
+
+    rollout = Rollout(
+        completion_ids=torch.tensor([[5, 2], [6, 2], [7, 2]]),
+        completion_mask=torch.ones(3, 2, dtype=torch.bool),
+        truncated=torch.zeros(3, dtype=torch.bool),
+        prompt_ids=torch.ones(3, 1, dtype=torch.long),
+        attention_mask=torch.ones(3, 3, dtype=torch.long),
+    )
+    rules = torch.tensor([1.0, float("nan"), 3.0])
+    src = source.RewardSource.__new__(source.RewardSource)
+    src.shared, src.batch_size, src.uses_rm, src.uses_rules, src.model_weight = (
+        types.SimpleNamespace(end_of_turn_id=2), 4, True, True, 0.5
+    )  # fmt: skip
+    src.rules = types.SimpleNamespace(score_rollout=lambda p, r: RewardScores(rules[:, None], rules, ["f"]))
+    monkeypatch.setattr(source, "reward_model_scores", lambda *a: torch.tensor([10.0, 20.0, 30.0]))
+    total = src.score_rollout(None, rollout).total
+    torch.testing.assert_close(total, torch.tensor([6.0, float("nan"), 18.0]), equal_nan=True)

@@ -17,7 +17,10 @@ phases of the seeds (and of CleanRL's ppo.py):
 1. **Rollout** -- a batch of prompts; one batched ``generate`` with the policy (dropout off); masks from generation
    (through the first EOS); old log-probs with the policy and reference log-probs, at the sampling temperature.
 2. **Reward** -- the reward adapter's score at the final token (the last non-pad token) and/or rule rewards; optional
-   running normalisation and clipping; a fixed score for responses without EOS; then per-token rewards
+   running normalisation and clipping; a fixed score for responses without EOS; a row whose reward failed (NaN:
+   no reward function has a value for it) has no terminal reward and is left out of the update (its tokens leave
+   the mask: no advantage, value target or loss; counted against ``reward.max_failure_fraction``); then per-token
+   rewards
    ``r_t = -beta (log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)) + score * 1[t = last]`` (Ziegler et al. 2019;
    InstructGPT Eq. 2; the k1 estimate, or k2 / k3 by ``ppo.kl.estimator``), with ``beta`` fixed or adaptive
    (Ziegler et al.'s proportional controller).
@@ -128,6 +131,21 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> RewardSource:
     return source
 
 
+def rewarded_rows(total: torch.Tensor, truncated: torch.Tensor, no_eos_penalty: float | None) -> torch.Tensor:
+    """``[N]`` bool: the rows PPO trains on -- those whose terminal reward is known. ``total`` ``[N]`` is NaN where
+    no reward has a value (every reward function failed or returned None for the row): PPO's only learning signal
+    is that terminal reward, so such a row is left out of the advantages and the losses, where GRPO leaves it out of
+    its group's statistics (counted either way against ``reward.max_failure_fraction``). A truncated row under
+    ``ppo.score.no_eos_penalty`` is kept: its score is the penalty, whatever the reward.
+
+    Formula: ``kept_i = not isnan(total_i) or (truncated_i and no_eos_penalty is set)``.
+
+    Example: ``total = [1, nan, nan]``, ``truncated = [F, F, T]``: ``[T, F, F]``; with a penalty: ``[T, F, T]``.
+    """
+    kept = ~torch.isnan(total)
+    return kept | truncated.bool() if no_eos_penalty is not None else kept
+
+
 class PPO:
     """PPO on the shared base: set up policy, reference, critic and reward roles, the prompts and both optimizers;
     then :meth:`step` per batch."""
@@ -195,17 +213,21 @@ class PPO:
                 cfg.tis.mode, health, self.parity_tolerance, self.precision, step
             )
         N, P = len(rollout), rollout.prompt_ids.shape[1]
-        mask = rollout.loss_mask  # [N, T] bool: the model's tokens through the first EOS (tool tokens: context)
         old_logprobs = rollout.old_logprobs  # [N, T]
         ref_logprobs = rollout.ref_logprobs if self.need_ref else old_logprobs  # [N, T]
 
         # ===== Phase 2. Reward: score at the final token, then the per-token KL penalty =========================
         scored = self.source.score_rollout(self.prompts, rollout)
-        self.source.report_failures(scored, step, self.recipe.reward.max_failure_fraction, "counted as 0")
-        score = torch.nan_to_num(sampled.total_reward(scored.total), nan=0.0)  # [N] (+ the environment's reward)
-        raw_score = score.clone()  # [N] what eval reports as reward_mean
+        self.source.report_failures(
+            scored, step, self.recipe.reward.max_failure_fraction, "its rows are left out of the update"
+        )
+        raw_score = sampled.total_reward(scored.total)  # [N] (+ the environment's reward); NaN: no reward
+        kept = rewarded_rows(raw_score, rollout.truncated, cfg.score.no_eos_penalty)  # [N]
+        # [N, T] bool: the model's tokens through the first EOS (tool tokens: context), of the rows with a reward
+        mask = rollout.loss_mask & kept[:, None]
+        score = torch.nan_to_num(raw_score, nan=0.0)  # [N] a left-out row's 0 reaches no advantage (masked)
         if cfg.score.normalize:
-            self.reward_stats.update(score)
+            self.reward_stats.update(score[~torch.isnan(raw_score)])
             score = self.reward_stats.normalize(score)
         if cfg.score.clip is not None:
             score = score.clamp(-cfg.score.clip, cfg.score.clip)
@@ -230,7 +252,7 @@ class PPO:
         acc, updates, early_stop = self.optimise(data, step)
         advance(self.policy.scheduler)  # once per RL step, whatever the early stop did
         advance(self.critic.scheduler)
-        seq_kl = float((kl * mask).sum(dim=1).mean())  # mean over sequences of sum_t kl_t (ppo.kl.estimator)
+        seq_kl = float((kl * mask).sum(dim=1)[kept].mean()) if kept.any() else 0.0  # mean_i sum_t kl_t, kept rows
         self.kl_ctl.update(seq_kl, n_steps=N)
 
         # ===== Metrics; the first train.log_completions rows as text (the loop writes them to completions.jsonl) ==
@@ -239,13 +261,14 @@ class PPO:
             shared.tokenizer, rollout, raw_score, adv_row, self.recipe.train.log_completions, score_used=score
         )
         lengths, m_f = rollout.lengths.float(), mask.float()
+        rewarded = raw_score[~torch.isnan(raw_score)]  # the rows with a reward
         return {
-            "reward": float(raw_score.mean()),
-            "reward_std": float(raw_score.std()) if N > 1 else 0.0,
+            "reward": float(rewarded.mean()) if len(rewarded) else float("nan"),
+            "reward_std": float(rewarded.std()) if len(rewarded) > 1 else 0.0,
             "rm_score": float(scored.reward_model.mean()) if scored.reward_model is not None else None,
             **{f"rewards/{k}/mean": v for k, v in (scored.rules.means() if scored.rules else {}).items()},
             **(scored.rules.extra if scored.rules else {}),  # rewards/judge/*, rewards/remote/* (docs/metrics.md)
-            "score_used": float(score.mean()),
+            "score_used": float(score[kept].mean()) if kept.any() else float("nan"),
             "accuracy": accuracy(self.recipe, rollout.completions, self.prompts.columns(rollout.prompt_index)),
             "objective/kl": seq_kl if self.need_ref else None,
             "kl_per_token": float((kl * m_f).sum() / m_f.sum().clamp(min=1)) if self.need_ref else None,
@@ -254,7 +277,7 @@ class PPO:
             "explained_variance": ev,
             "values_mean": float(masked_mean(values, mask)),
             "returns_mean": float(masked_mean(returns, mask)),
-            "returns_final": float(returns[:, 0].mean()),
+            "returns_final": float(returns[kept, 0].mean()) if kept.any() else float("nan"),
             "completions/mean_length": float(lengths.mean()),
             "completions/clipped_ratio": float(rollout.truncated.float().mean()),
             "epochs_done": updates / max(math.ceil(N / cfg.minibatch_size), 1),
@@ -293,6 +316,8 @@ class PPO:
             order = torch.randperm(N, generator=shuffle)
             for s in range(0, N, cfg.minibatch_size):
                 mb_rows = order[s : s + cfg.minibatch_size]
+                if not mask[mb_rows].any():  # every row left out (its reward failed): nothing to fit, no step
+                    continue
                 denom = (len(mb_rows), max(float(mask[mb_rows].sum()), 1.0))  # the minibatch's sequences, tokens
 
                 def rl_items(size, mb_rows=mb_rows, denom=denom):

@@ -68,7 +68,9 @@ def reward_model_scores(shared: SharedBase, ids: Tensor, att: Tensor, batch_size
 class SourceScores:
     """Scores of ``N`` responses.
 
-    total: ``[N]`` the score an RL step uses (NaN where no source has a value: every rule reward None or failed).
+    total: ``[N]`` the score an RL step uses; NaN where the rule functions (when there are any) have no value for
+        the row (every one None or failed), with ``both`` too: GRPO and online DPO leave such a row out of its
+        group, PPO out of its update, each counting failures against ``reward.max_failure_fraction``.
     reward_model: ``[N]`` the reward adapter's scores, or None.
     rules: the rule rewards (per function, weighted total, failures), or None.
     """
@@ -139,8 +141,9 @@ class RewardSource:
         if self.uses_rules:
             with phase("rewards"):
                 rules = self.rules.score_rollout(prompts, rollout)
-            # rules alone: NaN stays NaN (the caller decides); with a reward model every row has a score
-            total = rules.total if rm is None else total + torch.nan_to_num(rules.total, nan=0.0)
+            # NaN where the rule functions have no value for a row (they failed, or returned None), with a reward
+            # model too: its score alone is not the recipe's total, so the row is left out as with rules alone
+            total = rules.total if rm is None else total + rules.total
         return SourceScores(total=total, reward_model=rm, rules=rules)
 
     def report_failures(self, scored: SourceScores, step: int, max_fraction: float, treated: str) -> None:
