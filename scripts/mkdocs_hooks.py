@@ -46,24 +46,48 @@ ROLE = re.compile(r":(?:func|class|mod|meth|data|attr|obj|exc|py:\w+):`~?\.?([^`
 
 def markdown_docstring(text: str) -> str:
     """A docstring written for Sphinx / doctest, as Markdown: ``>>>`` examples (with their output, up to the next blank
-    line) become fenced Python blocks, and ``:func:`name``` roles become code.
+    line) become fenced Python blocks, a block indented under a blank line (a formula table, a command line) becomes a
+    fenced text block that keeps its line breaks and alignment, and ``:func:`name``` roles become code.
 
     >>> markdown_docstring("Sum.\\n\\n>>> 1 + 1\\n2")
     'Sum.\\n\\n```python\\n>>> 1 + 1\\n2\\n```'
+    >>> markdown_docstring("A:\\n\\n  x = 1\\n    y = 2\\nB, :func:`.f`,\\n  continued.\\n>>> f()")
+    'A:\\n\\n```text\\nx = 1\\n  y = 2\\n```\\n\\nB, `f`,\\n  continued.\\n\\n```python\\n>>> f()\\n```'
     """
+    lines = text.split("\n")
     out: list[str] = []
-    in_example = False
-    for line in text.split("\n"):
-        if not in_example and line.lstrip().startswith(">>>"):
-            out.append("```python")
-            in_example = True
-        elif in_example and not line.strip():
-            out.append("```")
-            in_example = False
-        out.append(line if in_example else ROLE.sub(r"`\1`", line))
-    if in_example:
-        out.append("```")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        after_blank = i == 0 or not lines[i - 1].strip()
+        if line.lstrip().startswith(">>>"):
+            j = i
+            while j < len(lines) and lines[j].strip():
+                j += 1
+            out += _fenced("python", lines[i:j], after=out)
+            i = j
+            continue
+        if after_blank and line.startswith("  ") and line.strip():
+            j = i
+            while j < len(lines) and (lines[j].startswith("  ") or not lines[j].strip()):
+                j += 1
+            while not lines[j - 1].strip():  # trailing blank lines stay outside the block
+                j -= 1
+            block = lines[i:j]
+            indent = min(len(b) - len(b.lstrip()) for b in block if b.strip())
+            out += _fenced("text", [b[indent:] for b in block], after=out)
+            i = j
+            continue
+        if out and out[-1] == "```" and line.strip():
+            out.append("")  # a paragraph starts after a blank line
+        out.append(ROLE.sub(r"`\1`", line))
+        i += 1
     return "\n".join(out)
+
+
+def _fenced(lang: str, block: list[str], after: list[str]) -> list[str]:
+    """``block`` as a fenced code block, with the blank line Markdown needs before it when ``after`` ends in text."""
+    return [*([""] if after and after[-1].strip() else []), f"```{lang}", *block, "```"]
 
 
 try:  # the griffe extension (mkdocs.yml: mkdocstrings' python handler ``extensions``); griffe comes with the docs extra
