@@ -125,6 +125,11 @@ def test_pending_api_modules_are_really_missing():
     assert mkdocs_hooks.markdown_docstring("See :func:`.gae`.\n\n>>> gae(1)\n2\nAfter.") == (
         "See `gae`.\n\n```python\n>>> gae(1)\n2\nAfter.\n```"
     )
+    # a formula table indented under a blank line keeps its lines; a list item's continuation line does not fence
+    doc = "Advantages:\n\n  group: A = r - mu\n    (per group)\n* item\n  continued"
+    assert mkdocs_hooks.markdown_docstring(doc) == (
+        "Advantages:\n\n```text\ngroup: A = r - mu\n  (per group)\n```\n\n* item\n  continued"
+    )
 
 
 def test_every_page_is_reachable_from_the_home_page():
