@@ -14,6 +14,10 @@ GGUF in llama.cpp) each decode greedily from the same prompt token ids. Measured
 - ``logprob_mean_abs_delta`` / ``logprob_max_abs_delta``: ``|log p_train(t) - log p_export(t)|`` over every token
   ``t`` of the training model's greedy completions, each model teacher-forced on the same ids (temperature 1);
   ``top1_agreement``: the fraction of those positions where both models' argmax token is the same.
+- a run with an ``agent`` section (tools): each model runs the run's prompt format, tools and greedy turn loop
+  (:mod:`.agent_gate`); a completion is then the whole trajectory (turns and tool messages), accuracy is the final
+  answer's, the log-probs are those of the training model's trajectory, and ``agent`` holds each model's turn and
+  tool-call counts;
 - for a GGUF in llama.cpp, ``tokenizer_agreement``: the fraction of prompt texts the GGUF's own tokenizer turns into
   exactly the ids the training tokenizer made (what a llama.cpp / Ollama user's prompt becomes).
 
@@ -121,20 +125,31 @@ def _compare(
 ) -> dict:
     """The report's figures: ``reference`` (a loaded runtime, closed here before the export loads) against the
     runtime ``make_export(eos_ids, pad_id, n_ctx)`` returns, on the first ``n`` prompts of the run."""
+    turns, agent = None, {}  # an agent run: both models run its prompt format, tools and turn loop (.agent_gate)
     try:
         tok = reference.tokenizer
         prompts, where = gate_prompts(src, recipe, tok, n, rows)
         k = min(n, len(prompts))
         ids = prompts.token_ids[:k]
         max_new = max_new or recipe.eval.max_new_tokens or recipe.generation.max_new_tokens
-        ref_ids = reference.greedy(ids, max_new)
+        if recipe.agent is not None:
+            from lorarl.export.agent_gate import AgentTurns, LoopBase
+
+            base = LoopBase(tok, reference.eos_ids, reference.pad_id)
+            turns = AgentTurns(recipe, prompts.rows[:k], base, max_new)
+            ids, ref_ids, ref_answers, agent["trained"] = turns.run(reference)
+        else:
+            ref_ids = reference.greedy(ids, max_new)
         ref_scores = reference.score(ids, ref_ids)
         eos_ids, pad_id, ref_name = reference.eos_ids, reference.pad_id, reference.name
     finally:
         reference.close()
-    exp = make_export(eos_ids, pad_id, max(len(p) for p in ids) + max_new + 8)
+    exp = make_export(eos_ids, pad_id, max(len(p) for p in ids) + (turns.max_total_tokens if turns else max_new) + 8)
     try:
-        export_ids = exp.greedy(ids, max_new)
+        if turns is not None:
+            _, export_ids, export_answers, agent["export"] = turns.run(exp)
+        else:
+            export_ids = exp.greedy(ids, max_new)
         export_scores = exp.score(ids, ref_ids)
         tok_agree = _tokenizer_agreement(exp, prompts, k)
         export_name = exp.name
@@ -144,14 +159,16 @@ def _compare(
         "trained": [tok.decode(c, skip_special_tokens=True) for c in ref_ids],
         "export": [tok.decode(c, skip_special_tokens=True) for c in export_ids],
     }
+    answers = {"trained": ref_answers, "export": export_answers} if turns is not None else texts
     return {
         "training_model": ref_name,
         "export_runtime": export_name,
         "prompts": k,
         "prompt_source": where,
         "max_new_tokens": max_new,
+        "agent": agent or None,  # the loop's metrics per model (turns, tool calls, ...), or None without an agent
         **_tally(texts["trained"], texts["export"], ref_ids, export_ids),
-        **_accuracy(recipe, prompts, texts),
+        **_accuracy(recipe, prompts, answers),
         **_logprob_deltas(ref_scores, export_scores),
         "tokenizer_agreement": tok_agree,
         "disagreements": [
