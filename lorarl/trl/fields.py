@@ -18,6 +18,7 @@ docs/trl_dropin.md's field table is :func:`markdown_table` (tests/test_trl_dropi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -142,7 +143,10 @@ def _batch(section: str) -> Callable[[Any, dict], dict]:
     """Rows per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (one device)."""
 
     def convert(value: int, ctx: dict) -> dict:
-        return {f"{section}.batch_size": value * ctx["args"].gradient_accumulation_steps, "train.micro_batch_size": value}
+        return {
+            f"{section}.batch_size": value * ctx["args"].gradient_accumulation_steps,
+            "train.micro_batch_size": value,
+        }
 
     return convert
 
@@ -243,6 +247,18 @@ def _one_generation(value: Any, ctx: dict) -> dict:
     return {}
 
 
+def _use_cpu(value: bool, ctx: dict) -> dict:
+    import torch
+
+    if value and torch.cuda.is_available():
+        refuse(
+            f"{ctx['cls']}.use_cpu",
+            value,
+            "lorarl trains on CUDA when there is one: run with CUDA_VISIBLE_DEVICES= to train on the CPU",
+        )
+    return {}
+
+
 def _clip_high(value: Any, ctx: dict) -> dict:
     return {"grpo.clip_eps_high": ctx["args"].epsilon if value is None else value}
 
@@ -285,7 +301,9 @@ NO_VLLM = "lorarl samples with its own engine on the shared base (generation.eng
 TRUNC = "lorarl never truncates a row: one longer than max_length is skipped and counted (DPO, reward model) or a bad row (SFT)"
 
 TRAINING_ARGUMENTS: dict[str, Map | Note | Refuse] = {
-    "output_dir": Map("(run folder)", "the run folder (recipe.yaml, metrics.jsonl, policy/ or reward/ ...)", lambda v, c: {}),
+    "output_dir": Map(
+        "(run folder)", "the run folder (recipe.yaml, metrics.jsonl, policy/ or reward/ ...)", lambda v, c: {}
+    ),
     "do_train": Note("Trainer scripts' flag; train() trains"),
     "do_eval": Note("Trainer scripts' flag; evaluate() evaluates"),
     "do_predict": Note("Trainer scripts' flag"),
@@ -299,35 +317,58 @@ TRAINING_ARGUMENTS: dict[str, Map | Note | Refuse] = {
     "eval_accumulation_steps": Note(NO_EFFECT),
     "eval_delay": Refuse("lorarl evaluates every eval.every steps from the start"),
     "torch_empty_cache_steps": Note("a memory detail"),
-    "learning_rate": Map("train.learning_rate", "AdamW's; TRL's default is kept (GRPOConfig 1e-6, DPOConfig 1e-6, SFTConfig 2e-5, RewardConfig 1e-4): LoRA usually wants 1e-4 to 1e-3"),
+    "learning_rate": Map(
+        "train.learning_rate",
+        "AdamW's; TRL's default is kept (GRPOConfig 1e-6, DPOConfig 1e-6, SFTConfig 2e-5, RewardConfig 1e-4): LoRA usually wants 1e-4 to 1e-3",
+    ),
     "weight_decay": Map("train.weight_decay"),
     "adam_beta1": Refuse("lorarl's AdamW uses torch's betas (0.9, 0.999)"),
     "adam_beta2": Refuse("lorarl's AdamW uses torch's betas (0.9, 0.999)"),
     "adam_epsilon": Refuse("lorarl's AdamW uses torch's eps 1e-8"),
     "max_grad_norm": Map("train.max_grad_norm"),
-    "num_train_epochs": Map("train.steps", "with max_steps <= 0: the steps of that many passes over train_dataset", lambda v, c: {}),
+    "num_train_epochs": Map(
+        "train.steps", "with max_steps <= 0: the steps of that many passes over train_dataset", lambda v, c: {}
+    ),
     "max_steps": Map("train.steps", "> 0: the run's optimizer steps; else from num_train_epochs", _train_steps),
     "lr_scheduler_type": Map("train.lr_scheduler", "constant, constant_with_warmup, linear, cosine", _scheduler),
     "lr_scheduler_kwargs": Refuse("lorarl's schedules take no arguments"),
-    "warmup_steps": Map("train.warmup_steps", "a value < 1 is a ratio of the run's steps, as transformers; none for constant", _warmup),
+    "warmup_steps": Map(
+        "train.warmup_steps", "a value < 1 is a ratio of the run's steps, as transformers; none for constant", _warmup
+    ),
     "log_level": Note(LOG_DETAIL),
     "log_level_replica": Note(NO_EFFECT),
     "log_on_each_node": Note(NO_EFFECT),
     "logging_first_step": Note("lorarl logs every train.log_every steps, step 1 included"),
-    "logging_steps": Map("train.log_every", "a value < 1 is a ratio of the run's steps", lambda v, c: {"train.log_every": _steps_of(v, c)}),
+    "logging_steps": Map(
+        "train.log_every",
+        "a value < 1 is a ratio of the run's steps",
+        lambda v, c: {"train.log_every": _steps_of(v, c)},
+    ),
     "logging_strategy": Note("lorarl logs every train.log_every steps (logging_steps)"),
     "logging_nan_inf_filter": Note("lorarl stops a run after train.max_nonfinite_in_row non-finite steps"),
-    "save_strategy": Map("train.save_every", "steps: every save_steps; epoch: every epoch's steps; no: at the end only", _save),
+    "save_strategy": Map(
+        "train.save_every", "steps: every save_steps; epoch: every epoch's steps; no: at the end only", _save
+    ),
     "save_steps": Map("train.save_every", "read through save_strategy", lambda v, c: {}),
-    "save_total_limit": Map("train.keep_last", "None keeps every checkpoint, as TRL", lambda v, c: {"train.keep_last": v or KEEP_ALL}),
+    "save_total_limit": Map(
+        "train.keep_last", "None keeps every checkpoint, as TRL", lambda v, c: {"train.keep_last": v or KEEP_ALL}
+    ),
     "enable_jit_checkpoint": Note("lorarl checkpoints on SIGTERM itself (`lorarl train --resume`)"),
     "save_on_each_node": Note(NO_EFFECT),
     "save_only_model": Note("lorarl's checkpoints always hold what a resume needs"),
     "restore_callback_states_from_checkpoint": Note("lorarl takes no callbacks"),
-    "use_cpu": Refuse("lorarl uses CUDA when there is one; run with CUDA_VISIBLE_DEVICES= to train on the CPU"),
+    "use_cpu": Map(
+        "(device)",
+        "True on a CUDA machine is refused: lorarl trains on CUDA when there is one (CUDA_VISIBLE_DEVICES= for the CPU)",
+        _use_cpu,
+    ),
     "seed": Map("train.seed"),
     "data_seed": Refuse("lorarl's data order follows seed (train.seed)"),
-    "bf16": Map("model.dtype", "bf16 -> bfloat16, fp16 -> float16, neither -> float32 (the base is NF4 on CUDA, model.quantization auto)", _dtype),
+    "bf16": Map(
+        "model.dtype",
+        "bf16 -> bfloat16, fp16 -> float16, neither -> float32 (the base is NF4 on CUDA, model.quantization auto)",
+        _dtype,
+    ),
     "fp16": Map("model.dtype", "read with bf16", lambda v, c: {}),
     "bf16_full_eval": Note("evaluation runs in model.dtype"),
     "fp16_full_eval": Note("evaluation runs in model.dtype"),
@@ -382,11 +423,19 @@ TRAINING_ARGUMENTS: dict[str, Map | Note | Refuse] = {
     "hub_revision": Note(HUB),
     "gradient_checkpointing": Map("model.gradient_checkpointing"),
     "gradient_checkpointing_kwargs": Note("lorarl checkpoints non-reentrantly"),
-    "activation_checkpointing": Map("model.gradient_checkpointing", "transformers 5's name for gradient_checkpointing", lambda v, c: {"model.gradient_checkpointing": True} if v else {}),
+    "activation_checkpointing": Map(
+        "model.gradient_checkpointing",
+        "transformers 5's name for gradient_checkpointing",
+        lambda v, c: {"model.gradient_checkpointing": True} if v else {},
+    ),
     "activation_checkpointing_kwargs": Note("lorarl checkpoints non-reentrantly"),
     "include_for_metrics": Note(LOG_DETAIL),
     "eval_do_concat_batches": Note(NO_EFFECT),
-    "auto_find_batch_size": Map("train.micro_batch_size", "True -> auto (the planner's largest that fits)", lambda v, c: {"train.micro_batch_size": "auto"} if v else {}),
+    "auto_find_batch_size": Map(
+        "train.micro_batch_size",
+        "True -> auto (the planner's largest that fits)",
+        lambda v, c: {"train.micro_batch_size": "auto"} if v else {},
+    ),
     "full_determinism": Map("train.deterministic"),
     "torch_compile": Note(KERNEL),
     "torch_compile_backend": Note(KERNEL),
@@ -404,7 +453,9 @@ TRAINING_ARGUMENTS: dict[str, Map | Note | Refuse] = {
 }
 
 TRL_COMMON: dict[str, Map | Note | Refuse] = {
-    "model_init_kwargs": Map("model.dtype", "only dtype and trust_remote_code are read; other keys are refused", _model_init_kwargs),
+    "model_init_kwargs": Map(
+        "model.dtype", "only dtype and trust_remote_code are read; other keys are refused", _model_init_kwargs
+    ),
     "trust_remote_code": Map("model.trust_remote_code"),
     "router_aux_loss_coef": Note("a mixture-of-experts loss term lorarl does not add"),
     "disable_dropout": Note("lorarl samples and scores with dropout off; training uses peft_config.lora_dropout"),
@@ -427,10 +478,14 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     "max_completion_length": Map("generation.max_new_tokens"),
     "ds3_gather_for_generation": Note(NO_EFFECT),
     "generation_batch_size": Map(
-        "(one step's completions)", "must be per_device_train_batch_size x gradient_accumulation_steps (TRL's default)", _one_generation
+        "(one step's completions)",
+        "must be per_device_train_batch_size x gradient_accumulation_steps (TRL's default)",
+        _one_generation,
     ),
     "steps_per_generation": Map(
-        "(one step)", "must be gradient_accumulation_steps (TRL's default): lorarl samples once per optimizer step (num_iterations reuses the samples)", _one_generation
+        "(one step)",
+        "must be gradient_accumulation_steps (TRL's default): lorarl samples once per optimizer step (num_iterations reuses the samples)",
+        _one_generation,
     ),
     "temperature": Map("generation.temperature"),
     "top_p": Refuse("training samples must follow softmax(logits / temperature) untruncated (the log-probs' model)"),
@@ -453,14 +508,22 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     "vllm_gpu_memory_utilization": Note(NO_VLLM),
     "vllm_max_model_length": Note(NO_VLLM),
     "vllm_tensor_parallel_size": Note(NO_VLLM),
-    "vllm_importance_sampling_correction": Note(NO_VLLM + "; lorarl's correction for its own sampler is grpo.tis (auto)"),
+    "vllm_importance_sampling_correction": Note(
+        NO_VLLM + "; lorarl's correction for its own sampler is grpo.tis (auto)"
+    ),
     "vllm_importance_sampling_mode": Note(NO_VLLM),
     "vllm_importance_sampling_clip_max": Note(NO_VLLM),
     "vllm_importance_sampling_clip_min": Note(NO_VLLM),
     "vllm_importance_sampling_cap": Note(NO_VLLM),
-    "beta": Map("grpo.kl.coef", "same convention: the coefficient of the per-token k3 KL in the loss; 0 never runs the reference (the base with adapters off)"),
+    "beta": Map(
+        "grpo.kl.coef",
+        "same convention: the coefficient of the per-token k3 KL in the loss; 0 never runs the reference (the base with adapters off)",
+    ),
     "num_iterations": Map("grpo.num_iterations"),
-    "epsilon": Map("grpo.clip_eps_low", "always set from TRL (lorarl's own default for sequence level is GSPO's 3e-4, TRL's is epsilon)"),
+    "epsilon": Map(
+        "grpo.clip_eps_low",
+        "always set from TRL (lorarl's own default for sequence level is GSPO's 3e-4, TRL's is epsilon)",
+    ),
     "epsilon_high": Map("grpo.clip_eps_high", "None -> epsilon, as TRL", _clip_high),
     "delta": Refuse("two-sided clipping (delta) is not implemented"),
     "sapo_temperature_neg": Note("read by loss_type sapo only, which lorarl refuses"),
@@ -469,14 +532,28 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     "vespo_lambda_pos": Note("read by loss_type vespo only, which lorarl refuses"),
     "vespo_k_neg": Note("read by loss_type vespo only, which lorarl refuses"),
     "vespo_lambda_neg": Note("read by loss_type vespo only, which lorarl refuses"),
-    "importance_sampling_level": Map("grpo.importance_sampling_level", "token or sequence (GSPO; lorarl needs loss_type grpo with it)", _is_level),
+    "importance_sampling_level": Map(
+        "grpo.importance_sampling_level", "token or sequence (GSPO; lorarl needs loss_type grpo with it)", _is_level
+    ),
     "reward_weights": Map("reward.functions[i].weight", "one weight per reward function, as TRL", lambda v, c: {}),
-    "multi_objective_aggregation": Refuse("lorarl sums the weighted rewards, then normalises per group (TRL's default)"),
+    "multi_objective_aggregation": Refuse(
+        "lorarl sums the weighted rewards, then normalises per group (TRL's default)"
+    ),
     "scale_rewards": Map("grpo.std_scaling", "group / batch / none (True = group, False = none)", _scale_rewards),
-    "loss_type": Map("grpo.loss_reduction", "grpo -> seq_mean_token_mean, dapo -> token_mean, dr_grpo -> seq_sum_norm; others refused", _grpo_loss),
+    "loss_type": Map(
+        "grpo.loss_reduction",
+        "grpo -> seq_mean_token_mean, dapo -> token_mean, dr_grpo -> seq_sum_norm; others refused",
+        _grpo_loss,
+    ),
     "mask_truncated_completions": Map("grpo.mask_truncated"),
-    "sync_ref_model": Map("grpo.kl.ref_refresh_every", "with ref_model_mixup_alpha 1.0: copy the policy into the reference every ref_model_sync_steps", _sync_ref),
-    "ref_model_mixup_alpha": Map("grpo.kl.ref_refresh_every", "read with sync_ref_model (only 1.0, a copy)", lambda v, c: {}),
+    "sync_ref_model": Map(
+        "grpo.kl.ref_refresh_every",
+        "with ref_model_mixup_alpha 1.0: copy the policy into the reference every ref_model_sync_steps",
+        _sync_ref,
+    ),
+    "ref_model_mixup_alpha": Map(
+        "grpo.kl.ref_refresh_every", "read with sync_ref_model (only 1.0, a copy)", lambda v, c: {}
+    ),
     "ref_model_sync_steps": Map("grpo.kl.ref_refresh_every", "read with sync_ref_model", lambda v, c: {}),
     "top_entropy_quantile": Refuse("training on the highest-entropy tokens only is not implemented"),
     "entropy_coef": Map("grpo.entropy_coef"),
@@ -485,10 +562,22 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     "entropy_coef_max": Note("read by use_adaptive_entropy only"),
     "entropy_coef_delta": Note("read by use_adaptive_entropy only"),
     "entropy_target": Note("read by use_adaptive_entropy only"),
-    "max_tool_calling_iterations": Map("agent.max_turns", "with tools: iterations + 1 model turns; None -> lorarl's agent.max_turns (4), not unlimited", _max_turns),
+    "max_tool_calling_iterations": Map(
+        "agent.max_turns",
+        "with tools: iterations + 1 model turns; None -> lorarl's agent.max_turns (4), not unlimited",
+        _max_turns,
+    ),
     "off_policy_mask_threshold": Refuse("DeepSeek-V3.2's off-policy sequence masking is not implemented"),
-    "use_bias_correction_kl": Map("grpo.kl.estimator", "True -> k3_unbiased (k3 x the token ratio), False -> k3", lambda v, c: {"grpo.kl.estimator": "k3_unbiased" if v else "k3"}),
-    "log_completions": Map("train.log_completions", "True -> num_completions_to_print (or 4) rows per step in DIR/completions.jsonl; False -> 0", _log_completions),
+    "use_bias_correction_kl": Map(
+        "grpo.kl.estimator",
+        "True -> k3_unbiased (k3 x the token ratio), False -> k3",
+        lambda v, c: {"grpo.kl.estimator": "k3_unbiased" if v else "k3"},
+    ),
+    "log_completions": Map(
+        "train.log_completions",
+        "True -> num_completions_to_print (or 4) rows per step in DIR/completions.jsonl; False -> 0",
+        _log_completions,
+    ),
     "log_multimodal": Note(LOG_DETAIL),
     "num_completions_to_print": Map("train.log_completions", "read with log_completions", lambda v, c: {}),
     "log_unique_prompts": Note(LOG_DETAIL),
@@ -501,7 +590,11 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
 DPO_OWN: dict[str, Map | Note | Refuse] = {
     "max_length": Map("dpo.max_length", TRUNC),
     "precompute_ref_log_probs": Map("dpo.precompute_ref_log_probs"),
-    "loss_type": Map("dpo.loss_type", "sigmoid, hinge, ipo, sft, or a list of them with loss_weights (TRL 1.x); others refused", _dpo_losses),
+    "loss_type": Map(
+        "dpo.loss_type",
+        "sigmoid, hinge, ipo, sft, or a list of them with loss_weights (TRL 1.x); others refused",
+        _dpo_losses,
+    ),
     "loss_weights": Map("dpo.loss_weights"),
     "ld_alpha": Refuse("LD-DPO's length weighting is not implemented"),
     "f_divergence_type": Refuse("lorarl's DPO uses the reverse KL (TRL's default)"),
@@ -510,7 +603,11 @@ DPO_OWN: dict[str, Map | Note | Refuse] = {
     "beta": Map("dpo.beta", "same convention: DPO's beta (IPO's tau)"),
     "use_weighting": Refuse("WPO's weighting is not implemented"),
     "discopop_tau": Note("read by loss_type discopop only, which lorarl refuses"),
-    "sync_ref_model": Map("(refused when True)", "TR-DPO's reference sync: lorarl's DPO reference is the base with adapters off, fixed", _sync_ref),
+    "sync_ref_model": Map(
+        "(refused when True)",
+        "TR-DPO's reference sync: lorarl's DPO reference is the base with adapters off, fixed",
+        _sync_ref,
+    ),
     "ref_model_mixup_alpha": Note("read with sync_ref_model only"),
     "ref_model_sync_steps": Note("read with sync_ref_model only"),
 }
@@ -523,8 +620,12 @@ SFT_OWN: dict[str, Map | Note | Refuse] = {
     "packing": Refuse("packing is not implemented (each example is one row)"),
     "packing_strategy": Note("read by packing only, which lorarl refuses"),
     "eval_packing": Note("read by packing only, which lorarl refuses"),
-    "completion_only_loss": Map("(always)", "None / True: the completion only (lorarl always); False is refused", _completion_only),
-    "assistant_only_loss": Note("messages rows train the LAST assistant message only (TRL trains every token unless assistant_only_loss)"),
+    "completion_only_loss": Map(
+        "(always)", "None / True: the completion only (lorarl always); False is refused", _completion_only
+    ),
+    "assistant_only_loss": Note(
+        "messages rows train the LAST assistant message only (TRL trains every token unless assistant_only_loss)"
+    ),
     "loss_type": Refuse("lorarl's SFT loss is the token NLL (nll)"),
 }
 
@@ -549,7 +650,9 @@ def _section_batch(algo: str) -> dict:
             "x gradient_accumulation_steps = rows per optimizer step; itself train.micro_batch_size",
             _batch(algo),
         ),
-        "num_train_epochs": Map(f"{algo}.epochs", "whole passes (rounded up); train.steps stops a fractional one", _int_epochs(algo)),
+        "num_train_epochs": Map(
+            f"{algo}.epochs", "whole passes (rounded up); train.steps stops a fractional one", _int_epochs(algo)
+        ),
     }
 
 
@@ -589,19 +692,26 @@ def _same(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
-def default_config(cls: type, output_dir: str, args: Any = None) -> Any:
+def default_config(cls: type, output_dir: str) -> Any:
     """``cls(output_dir)`` as TRL's trainer makes it, with bf16 off where this machine has no bf16 GPU (TRL's default
-    bf16 is refused by transformers there). ``args`` given: the reference its precision flags are compared with."""
+    bf16 is refused by transformers there)."""
     import torch
 
     kw: dict = {}
-    if args is not None:
-        kw = {"bf16": args.bf16, "fp16": args.fp16, "use_cpu": args.use_cpu}
-    elif not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+    if not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         kw = {"bf16": False}
     with warnings.catch_warnings():  # transformers 5 warns about TRL's own gradient_checkpointing default
         warnings.simplefilter("ignore", FutureWarning)
         return cls(output_dir=output_dir, **kw)
+
+
+@functools.lru_cache(maxsize=16)
+def _reference(cls: type, bf16: bool, fp16: bool) -> Any:
+    """The default config compared against (read only; precision flags as the config's: transformers refuses
+    bf16 where there is no bf16 GPU)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return cls(output_dir="trainer_output", bf16=bf16, fp16=fp16)
 
 
 def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
@@ -610,7 +720,7 @@ def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
     cls_name = type(args).__name__
     if cls_name not in TABLE:
         raise LorarlError(f"args: a {cls_name}; lorarl.trl takes TRL's {', '.join(TABLE)}")
-    ref = default_config(type(args), args.output_dir, args)
+    ref = _reference(type(args), bool(args.bf16), bool(args.fp16))
     ctx = {**ctx, "args": args, "cls": cls_name}
     keys: dict = {}
     notices: list[str] = []
@@ -626,35 +736,53 @@ def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
     return keys, notices
 
 
+SHORT = {"GRPOConfig": "GRPO", "DPOConfig": "DPO", "SFTConfig": "SFT", "RewardConfig": "Reward"}
+DOC_START, DOC_END = "<!-- fields: generated by python -m lorarl.trl.fields -->\n", "<!-- /fields -->"
+
+
+def _cell(rule: Map | Note | Refuse) -> str:
+    if isinstance(rule, Map):
+        text = f"mapped: `{rule.key}`" + (f"; {rule.why}" if rule.why else "")
+    elif isinstance(rule, Note):
+        text = f"noted: {rule.why}"
+    else:
+        text = f"**refused** unless default: {rule.why}"
+    return text.replace("|", "\\|")
+
+
 def markdown_table() -> str:
-    """The field table of docs/trl_dropin.md: one row per field of the four configs."""
+    """The field table of docs/trl_dropin.md: one row per field (per config where the configs' entries differ), in
+    the configs' own field order."""
     classes = config_classes()
     fields = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in classes.items()}
     order: list[str] = []
     for names in fields.values():
         order += [n for n in names if n not in order]
-    lines = [
-        "| field | " + " | ".join(CONFIGS) + " |",
-        "|---|" + "---|" * len(CONFIGS),
-    ]
+    lines = ["| field | config | what lorarl does |", "|---|---|---|"]
     for name in order:
-        cells = []
+        groups: dict[str, list[str]] = {}
         for cls_name in CONFIGS:
-            if name not in fields[cls_name]:
-                cells.append("")
-                continue
-            rule = entry(cls_name, name)
-            if isinstance(rule, Map):
-                text = f"`{rule.key}`" + (f": {rule.why}" if rule.why else "")
-            elif isinstance(rule, Note):
-                text = f"noted: {rule.why}"
-            else:
-                text = f"**refused** unless default: {rule.why}"
-            cells.append(text.replace("|", "\\|"))
-        # one cell for identical entries keeps the table readable
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+            if name in fields[cls_name]:
+                groups.setdefault(_cell(entry(cls_name, name)), []).append(SHORT[cls_name])
+        for cell, configs in groups.items():
+            which = "all" if len(configs) == len(CONFIGS) else ", ".join(configs)
+            lines.append(f"| `{name}` | {which} | {cell} |")
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    print(markdown_table(), end="")
+def write_docs(path: str) -> None:
+    """Replace the generated table in ``path`` (between its two markers) with :func:`markdown_table`."""
+    from pathlib import Path
+
+    doc = Path(path).read_text(encoding="utf-8")
+    head, tail = doc[: doc.index(DOC_START) + len(DOC_START)], doc[doc.index(DOC_END) :]
+    Path(path).write_text(head + markdown_table() + tail, encoding="utf-8")
+
+
+if __name__ == "__main__":  # python -m lorarl.trl.fields [docs/trl_dropin.md]: print the table, or rewrite the doc's
+    import sys
+
+    if len(sys.argv) > 1:
+        write_docs(sys.argv[1])
+    else:
+        print(markdown_table(), end="")

@@ -63,9 +63,11 @@ def _same_model(a: str, b: str) -> bool:
     from lorarl.model.registry import resolve_model
 
     try:
-        return Path(resolve_model(a)).resolve() == Path(resolve_model(b)).resolve() if Path(a).exists() or Path(
-            b
-        ).exists() else resolve_model(a) == resolve_model(b)
+        return (
+            Path(resolve_model(a)).resolve() == Path(resolve_model(b)).resolve()
+            if Path(a).exists() or Path(b).exists()
+            else resolve_model(a) == resolve_model(b)
+        )
     except LorarlError:
         return a == b
 
@@ -135,7 +137,9 @@ def quantization(quantization_config: Any) -> dict:
     four = getattr(quantization_config, "load_in_4bit", False)
     if four and getattr(quantization_config, "bnb_4bit_quant_type", "nf4") == "nf4":
         return {"quantization": "nf4"}
-    refuse("quantization_config", quantization_config, "lorarl quantizes the base to NF4 4-bit only (model.quantization)")
+    refuse(
+        "quantization_config", quantization_config, "lorarl quantizes the base to NF4 4-bit only (model.quantization)"
+    )
 
 
 def nest(keys: dict) -> dict:
@@ -185,11 +189,18 @@ class _Trainer:
     suffix = ""
     adapter = "policy"  # the trained adapter's folder in the run
 
-    def __init__(self, model: Any, args: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
-                 peft_config: Any, quantization_config: Any):
-        from transformers import TrainerState
-
+    def __init__(
+        self,
+        model: Any,
+        args: Any,
+        train_dataset: Any,
+        eval_dataset: Any,
+        processing_class: Any,
+        peft_config: Any,
+        quantization_config: Any,
+    ):
         import trl
+        from transformers import TrainerState
 
         self.model_name = model_name(model)
         if processing_class is not None:
@@ -232,7 +243,9 @@ class _Trainer:
         if self.args.max_steps > 0:
             return self.args.max_steps, per_epoch
         if n is None:
-            refuse(f"{self.config_name}.max_steps", self.args.max_steps, "a dataset without a length needs max_steps > 0")
+            refuse(
+                f"{self.config_name}.max_steps", self.args.max_steps, "a dataset without a length needs max_steps > 0"
+            )
         return max(1, math.ceil(self.args.num_train_epochs * n / per_step)), per_epoch
 
     def _recipe(self, extra: dict) -> dict:
@@ -402,7 +415,11 @@ class GRPOTrainer(_Trainer):
             kw["reward_funcs"] = self.reward_funcs
             if weights is not None:
                 if self._adapter:  # TRL orders the weights as reward_funcs; the adapter's is reward.model_weight
-                    refuse("GRPOConfig.reward_weights", weights, "with a reward adapter use the recipe key reward.model_weight")
+                    refuse(
+                        "GRPOConfig.reward_weights",
+                        weights,
+                        "with a reward adapter use the recipe key reward.model_weight",
+                    )
                 kw["reward_weights"] = weights
         return kw
 
@@ -428,7 +445,9 @@ class DPOTrainer(_Trainer):
         quantization_config: Any = None,
         peft_config: Any = None,
     ):
-        _refuse_given(data_collator=data_collator, compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        _refuse_given(
+            data_collator=data_collator, compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers
+        )
         if ref_model is not None:
             ref = model_name(ref_model, "ref_model")
             if not _same_model(ref, model_name(model) if isinstance(model, (str, os.PathLike)) else ref):
@@ -477,11 +496,24 @@ class SFTTrainer(_SupervisedTrainer):
 
     config_name, algo, suffix = "SFTConfig", "sft", "SFT"
 
-    def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, compute_loss_func: Any = None,
-                 compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
-                 optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None,
-                 quantization_config: Any = None, peft_config: Any = None, formatting_func: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_loss_func: Any = None,
+        compute_metrics: Any = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        optimizer_cls_and_kwargs: Any = None,
+        preprocess_logits_for_metrics: Any = None,
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        formatting_func: Any = None,
+    ):
         columns = getattr(train_dataset, "column_names", None)
         if isinstance(columns, list) and "messages" not in columns and "prompt" not in columns:
             refuse(
@@ -495,10 +527,23 @@ class SFTTrainer(_SupervisedTrainer):
                 "SFTTrainer: lorarl trains each messages row's LAST assistant message (TRL trains every token of the "
                 "conversation unless assistant_only_loss)"
             )
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, compute_metrics,
-                         callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics,
-                         quantization_config, peft_config, compute_loss_func=compute_loss_func,
-                         formatting_func=formatting_func)
+        super().__init__(
+            model,
+            args,
+            data_collator,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            compute_metrics,
+            callbacks,
+            optimizers,
+            optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics,
+            quantization_config,
+            peft_config,
+            compute_loss_func=compute_loss_func,
+            formatting_func=formatting_func,
+        )
 
 
 class RewardTrainer(_SupervisedTrainer):

@@ -1,0 +1,28 @@
+"""TRL's SFT quick start (TRL docs, docs/source/sft_trainer.md, "Quick start"), with only the import changed
+(``from trl import SFTTrainer`` -> ``from lorarl.trl import SFTTrainer``) and the model and dataset names read from
+two variables, so it runs on the embedded model without the hub:
+
+    MODEL  TRL's "Qwen/Qwen3-0.6B"; here the embedded SmolLM2-135M-Instruct (QUICKSTART_MODEL to change)
+    DATA   TRL's "trl-lib/Capybara" (a hub name, as TRL); QUICKSTART_DATA: a local dataset folder instead
+
+    python examples/trl_quickstarts/sft.py         # writes ./<model>-SFT
+
+lorarl trains each conversation's last assistant message (TRL: every token; docs/trl_dropin.md).
+tests/test_trl_dropin.py runs this file unchanged on a tiny model and a local copy of the dataset's fields.
+"""
+
+import os
+
+MODEL = os.environ.get("QUICKSTART_MODEL", "smollm2-135m")
+DATA = os.environ.get("QUICKSTART_DATA", "trl-lib/Capybara")
+
+# train_sft.py  (TRL's quick start from here on; names: MODEL, DATA)
+from datasets import load_dataset  # noqa: E402
+
+from lorarl.trl import SFTTrainer  # noqa: E402
+
+trainer = SFTTrainer(
+    model=MODEL,
+    train_dataset=load_dataset(DATA, split="train"),
+)
+trainer.train()

@@ -1,0 +1,387 @@
+"""lorarl.trl: TRL 1.16's trainers as a drop-in.
+
+* TRL's documented quick starts (examples/trl_quickstarts/*.py, TRL's code with only the import changed) run
+  unchanged for one step on a tiny model and local copies of their datasets' fields; the trained adapter and TRL's
+  metric names are checked.
+* Every refused field of the four configs fails with its one line; every noted field gives its notice; mapped fields
+  land in the recipe lorarl validates (hand-set values, conventions per docs/trl_dropin.md).
+* docs/trl_dropin.md's field table equals the code table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import runpy
+from pathlib import Path
+
+import pytest
+import trl
+from peft import LoraConfig
+
+from lorarl.errors import LorarlError
+from lorarl.trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
+from lorarl.trl.fields import (
+    DOC_END,
+    DOC_START,
+    KEEP_ALL,
+    TABLE,
+    Map,
+    Note,
+    Refuse,
+    Refused,
+    default_config,
+    markdown_table,
+    translate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTARTS = REPO / "examples" / "trl_quickstarts"
+USER = {"role": "user", "content": "What is $1+1$? Put the answer in \\boxed{}."}
+
+
+def _write(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "train.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return folder
+
+
+# rows in the fields of the quick starts' datasets (trl-lib/DeepMath-103K, trl-lib/ultrafeedback_binarized,
+# trl-lib/Capybara)
+DATASETS = {
+    "grpo": [{"prompt": [USER], "solution": "$2$"}] * 2,
+    "dpo": [
+        {
+            "chosen": [USER, {"role": "assistant", "content": "\\boxed{2}"}],
+            "rejected": [USER, {"role": "assistant", "content": "\\boxed{3}"}],
+            "score_chosen": 9.0,
+            "score_rejected": 2.0,
+        }
+    ]
+    * 2,
+    "sft": [{"source": "test", "messages": [USER, {"role": "assistant", "content": "\\boxed{2}"}]}] * 2,
+}
+# quick start -> (dataset, output_dir suffix, trained adapter folder, TRL metric names the run logs)
+RUNS = {
+    "grpo": (
+        "grpo",
+        "GRPO",
+        "policy",
+        [
+            "reward",
+            "reward_std",
+            "frac_reward_zero_std",
+            "completions/mean_length",
+            "rewards/accuracy_reward/mean",
+            "learning_rate",
+        ],
+    ),
+    "dpo": (
+        "dpo",
+        "DPO",
+        "policy",
+        [
+            "loss",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "rewards/accuracies",
+            "logps/chosen",
+            "logps/rejected",
+        ],
+    ),
+    "sft": ("sft", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
+    "reward": ("dpo", "Reward", "reward", ["loss", "accuracy", "margin", "learning_rate"]),
+}
+
+
+@pytest.fixture(scope="module")
+def terse_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model made to end every reply at once, so a GRPO step with TRL's defaults (8 completions of up to 512
+    tokens) samples 8 x 1 tokens on the CPU: every embedding gets +100 on dimension 0, which then dominates each
+    hidden state (the final RMSNorm makes it ~sqrt(hidden) along that dimension), and the EOS ids' output rows get 300
+    there, so their logits lead every other token's by ~1600."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lorarl.model.tokens import eos_token_ids
+
+    out = tmp_path_factory.mktemp("terse")
+    for p in tiny_model_dir.iterdir():
+        if not p.name.endswith(".safetensors"):
+            shutil.copy2(p, out / p.name)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 100.0
+        for i in eos_token_ids(model, AutoTokenizer.from_pretrained(tiny_model_dir)):
+            model.get_output_embeddings().weight[i, 0] = 300.0
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_trl_quickstart_runs_unchanged(name, tiny_model_dir, terse_model_dir, tmp_path, monkeypatch):
+    data, suffix, adapter, metric_names = RUNS[name]
+    model = terse_model_dir if name == "grpo" else tiny_model_dir  # GRPO samples: replies end at once
+    monkeypatch.setenv("QUICKSTART_MODEL", str(model))
+    monkeypatch.setenv("QUICKSTART_DATA", str(_write(tmp_path / "data", DATASETS[data])))
+    monkeypatch.setenv("LORARL_TRL_MAX_STEPS", "1")
+    monkeypatch.chdir(tmp_path)
+    scope = runpy.run_path(str(QUICKSTARTS / f"{name}.py"), run_name="__main__")
+    run = tmp_path / f"{model.name}-{suffix}"  # TRL's default output_dir: <model name>-<SUFFIX>
+    assert (run / adapter / "adapter_model.safetensors").is_file()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    missing = [m for m in metric_names if m not in rows[0]]
+    assert not missing, f"metrics.jsonl lacks TRL's {missing}: {sorted(rows[0])}"
+    values = {m: rows[0][m] for m in metric_names}
+    assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values()), values
+    if name == "grpo":  # the terse model's empty replies all score 0: no group has a spread, so no update (loss None)
+        assert rows[0]["frac_reward_zero_std"] == 1.0 and "loss" in rows[0]
+    trainer = scope["trainer"]
+    assert trainer.state.log_history == rows and trainer.state.global_step == 1
+
+
+# ---- the field table --------------------------------------------------------------------------------------------
+
+
+def _other(value):
+    """A value other than ``value`` of the same kind (the refused / noted check needs only 'not the default')."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 3
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    if isinstance(value, dict):
+        return {**value, "other": 1}
+    return 7  # None and others
+
+
+def _cases(kind):
+    for cls_name, table in TABLE.items():
+        cls = getattr(trl, cls_name)
+        for f in dataclasses.fields(cls):
+            if isinstance(table[f.name], kind):
+                yield pytest.param(cls_name, f.name, id=f"{cls_name}.{f.name}")
+
+
+def _ctx():
+    return {"steps": 10, "steps_per_epoch": 5, "algo": "grpo", "agent": False}
+
+
+def test_table_covers_every_field_of_the_four_configs():
+    for cls_name in TABLE:
+        names = {f.name for f in dataclasses.fields(getattr(trl, cls_name))}
+        assert names <= set(TABLE[cls_name]), sorted(names - set(TABLE[cls_name]))
+        assert len(names) > 120  # TrainingArguments' fields are in it
+
+
+@pytest.mark.parametrize(("cls_name", "field"), list(_cases(Refuse)))
+def test_each_refused_field_fails_with_its_line(cls_name, field, tmp_path):
+    args = default_config(getattr(trl, cls_name), str(tmp_path))
+    translate(args, _ctx())  # the default passes silently
+    value = _other(getattr(args, field))
+    setattr(args, field, value)
+    with pytest.raises(Refused) as e:
+        translate(args, _ctx())
+    line = str(e.value)
+    assert line == f"{cls_name}.{field}={value!r}: {TABLE[cls_name][field].why}" and "\n" not in line
+
+
+@pytest.mark.parametrize(("cls_name", "field"), list(_cases(Note)))
+def test_each_noted_field_gives_one_notice(cls_name, field, tmp_path):
+    args = default_config(getattr(trl, cls_name), str(tmp_path))
+    assert translate(args, _ctx())[1] == []
+    value = _other(getattr(args, field))
+    setattr(args, field, value)
+    assert translate(args, _ctx())[1] == [
+        f"{cls_name}.{field}={value!r} has no effect in lorarl: {TABLE[cls_name][field].why}"
+    ]
+
+
+def test_docs_field_table_is_the_code_table():
+    doc = (REPO / "docs" / "trl_dropin.md").read_text()
+    generated = doc[doc.index(DOC_START) + len(DOC_START) : doc.index(DOC_END)]
+    assert generated == markdown_table(), "python -m lorarl.trl.fields docs/trl_dropin.md rewrites the table"
+
+
+# ---- mapped fields land in the recipe ---------------------------------------------------------------------------
+
+
+def _grpo(tiny_model_dir, tmp_path, **kw):
+    from lorarl.api import load_recipe
+
+    args = default_config(trl.GRPOConfig, str(tmp_path / "out"))
+    for k, v in kw.items():
+        setattr(args, k, v)
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=[{"prompt": "hi"}] * 12,
+        peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05),
+    )
+    return trainer.recipe, load_recipe(trainer.recipe)
+
+
+def test_grpo_fields_land_in_the_recipe(tiny_model_dir, tmp_path):
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    raw, r = _grpo(
+        tiny_model_dir,
+        tmp_path,
+        learning_rate=3e-4,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        generation_batch_size=16,
+        beta=0.04,
+        loss_type="dr_grpo",
+        max_completion_length=32,
+        epsilon=0.1,
+        epsilon_high=0.28,
+        scale_rewards=False,
+        mask_truncated_completions=True,
+        use_bias_correction_kl=False,
+        temperature=0.7,
+        num_iterations=2,
+        max_steps=20,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.1,
+        save_total_limit=None,
+        save_steps=5,
+        importance_sampling_level="token",
+        entropy_coef=0.01,
+        seed=7,
+    )
+    assert r.algo == "grpo" and r.model.name == str(tiny_model_dir)
+    assert r.train.learning_rate == 3e-4 and r.train.steps == 20 and r.train.seed == 7
+    assert r.train.prompts_per_step == 8 * 2 // 4 and r.train.micro_batch_size == 8  # 16 completions a step
+    assert r.train.lr_scheduler == "cosine" and r.train.warmup_steps == 2  # ceil(0.1 x 20), as transformers
+    assert r.train.save_every == 5 and r.train.keep_last == KEEP_ALL  # None: keep every checkpoint
+    assert r.grpo.group_size == 4 and r.grpo.num_iterations == 2
+    assert r.grpo.kl.coef == 0.04 and r.grpo.kl.estimator == "k3"  # TRL's beta is the k3 coefficient: same
+    assert r.grpo.loss_reduction == "seq_sum_norm" and r.grpo.std_scaling == "none"
+    assert (r.grpo.clip_eps_low, r.grpo.clip_eps_high) == (0.1, 0.28) and r.grpo.mask_truncated
+    assert r.grpo.entropy_coef == 0.01
+    assert r.generation.max_new_tokens == 32 and r.generation.temperature == 0.7
+    assert (r.lora.r, r.lora.alpha, r.lora.dropout) == (8, 16.0, 0.05)
+    assert r.lora.target_modules == sorted(PEFT_DEFAULTS["llama"])  # LoraConfig's None: PEFT's default for llama
+    assert raw["model"]["dtype"] == "float32"  # bf16 off (CPU)
+
+
+def test_grpo_defaults_follow_trl(tiny_model_dir, tmp_path):
+    _, r = _grpo(tiny_model_dir, tmp_path)  # GRPOConfig() as TRL makes it
+    assert r.train.learning_rate == 1e-6 and r.train.lr_scheduler == "linear"
+    assert r.grpo.group_size == 8 and r.train.prompts_per_step == 1  # 8 completions per device step
+    assert r.train.steps == 3 * 12  # 3 epochs of 12 prompts, one prompt a step
+    assert r.grpo.loss_reduction == "token_mean" and r.grpo.kl.coef == 0.0 and r.grpo.kl.estimator == "k3_unbiased"
+    assert r.generation.max_new_tokens == 512 and r.train.log_completions == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "line"),
+    [
+        ("loss_type", "sapo", "GRPOConfig.loss_type='sapo': lorarl's GRPO losses are grpo, dapo and dr_grpo"),
+        ("per_device_train_batch_size", 6, "GRPOConfig.per_device_train_batch_size=6: x gradient_accumulation_steps"),
+        ("lr_scheduler_type", "polynomial", "GRPOConfig.lr_scheduler_type='polynomial': lorarl's schedules are"),
+        ("report_to", ["mlflow"], "GRPOConfig.report_to=['mlflow']: lorarl logs to tensorboard, trackio, wandb"),
+        ("steps_per_generation", 4, "GRPOConfig.steps_per_generation=4: lorarl samples once per optimizer step"),
+        ("sync_ref_model", True, "GRPOConfig.sync_ref_model=True: lorarl's reference refresh copies the policy"),
+    ],
+)
+def test_mapped_fields_refuse_what_lorarl_does_not_do(field, value, line, tiny_model_dir, tmp_path):
+    with pytest.raises(Refused, match="^" + line.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        _grpo(tiny_model_dir, tmp_path, **{field: value})
+
+
+def test_grpo_reference_refresh_maps_with_alpha_one(tiny_model_dir, tmp_path):
+    _, r = _grpo(
+        tiny_model_dir, tmp_path, sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=16, beta=0.1
+    )
+    assert r.grpo.kl.ref_refresh_every == 16
+
+
+def test_dpo_sft_reward_fields_land_in_the_recipe(tiny_model_dir, tmp_path):
+    from lorarl.api import load_recipe
+
+    pairs = DATASETS["dpo"] * 4
+    args = default_config(trl.DPOConfig, str(tmp_path / "dpo"))
+    args.beta, args.loss_type, args.loss_weights, args.max_length = 0.2, ["sigmoid", "sft"], [1.0, 0.5], 256
+    args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_train_epochs = 2, 2, 2
+    r = load_recipe(
+        DPOTrainer(str(tiny_model_dir), ref_model=str(tiny_model_dir), args=args, train_dataset=pairs).recipe
+    )
+    assert r.dpo.beta == 0.2 and r.dpo.loss_type == ["sigmoid", "sft"] and r.dpo.loss_weights == [1.0, 0.5]
+    assert r.dpo.batch_size == 4 and r.train.micro_batch_size == 2 and r.dpo.max_length == 256
+    assert r.dpo.epochs == 2 and r.train.steps == 2 * 8 // 4
+
+    args = default_config(trl.RewardConfig, str(tmp_path / "rm"))
+    args.center_rewards_coefficient, args.max_length = 0.01, 128
+    r = load_recipe(
+        RewardTrainer(
+            str(tiny_model_dir), args=args, train_dataset=pairs, peft_config=LoraConfig(modules_to_save=["score"])
+        ).recipe
+    )
+    assert r.algo == "reward_model" and r.reward_model.center_coef == 0.01 and r.reward_model.max_length == 128
+    assert r.reward_model.margin and r.train.learning_rate == 1e-4  # RewardConfig's default learning rate
+
+    args = default_config(trl.SFTConfig, str(tmp_path / "sft"))
+    args.max_length = 300
+    r = load_recipe(SFTTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["sft"]).recipe)
+    assert r.algo == "sft" and r.sft.max_length == 300 and r.train.learning_rate == 2e-5
+
+
+def test_trainer_arguments_lorarl_cannot_honour_are_refused(tiny_model_dir, tmp_path, caplog):
+    from datasets import Dataset
+
+    args = default_config(trl.DPOConfig, str(tmp_path / "dpo"))
+    with pytest.raises(Refused, match=r"^ref_model='other/model': lorarl's DPO reference is the policy's own base"):
+        DPOTrainer(str(tiny_model_dir), ref_model="other/model", args=args, train_dataset=DATASETS["dpo"])
+    with pytest.raises(Refused, match=r"^LoraConfig.use_dora=True: lorarl's LoRA reads r, lora_alpha"):
+        DPOTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["dpo"], peft_config=LoraConfig(use_dora=True))
+    with pytest.raises(Refused, match=r"^callbacks=\[1\]: lorarl's run loop takes no transformers callbacks"):
+        DPOTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["dpo"], callbacks=[1])
+    with pytest.raises(Refused, match=r"^reward_funcs\[0\]='org/reward-model': a hub reward model"):
+        GRPOTrainer(str(tiny_model_dir), reward_funcs="org/reward-model", train_dataset=DATASETS["grpo"])
+    sft = default_config(trl.SFTConfig, str(tmp_path / "sft"))
+    with pytest.raises(Refused, match=r"^train_dataset=\"columns \['text'\]\": lorarl's SFT needs prompt"):
+        SFTTrainer(str(tiny_model_dir), args=sft, train_dataset=Dataset.from_list([{"text": "hello"}]))
+    with pytest.raises(LorarlError, match=r"^args: a SFTConfig; DPOTrainer takes TRL's DPOConfig"):
+        DPOTrainer(str(tiny_model_dir), args=sft, train_dataset=DATASETS["dpo"])
+    args.logging_first_step = True  # a noted field: accepted with one notice
+    with caplog.at_level(logging.WARNING, logger="lorarl.trl"):
+        DPOTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["dpo"], peft_config=LoraConfig())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"DPOConfig.logging_first_step=True has no effect in lorarl: {TABLE['DPOConfig']['logging_first_step'].why}"
+    ]
+
+
+def test_a_model_object_is_taken_by_its_folder(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    args = default_config(trl.DPOConfig, str(tmp_path / "dpo"))
+    trainer = DPOTrainer(model, args=args, train_dataset=DATASETS["dpo"])
+    assert trainer.recipe["model"]["name"] == str(tiny_model_dir)
+    from peft import get_peft_model
+
+    with pytest.raises(LorarlError, match=r"^model: a PeftModel; lorarl loads the base once"):
+        DPOTrainer(get_peft_model(model, LoraConfig()), args=args, train_dataset=DATASETS["dpo"])
+
+
+def test_map_entries_name_recipe_keys():
+    for table in TABLE.values():
+        for name, rule in table.items():
+            assert isinstance(rule, (Map, Note, Refuse)), name
+            assert not isinstance(rule, Map) or rule.key, name
