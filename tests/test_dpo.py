@@ -77,10 +77,15 @@ def dpo_run(tiny_model_dir, tmp_path_factory):
 def test_loss_starts_at_log2_and_falls_on_a_separable_set(dpo_run):
     _, run, summary, rows = dpo_run
     first = rows[0]
-    # step 1: the policy is the reference (LoRA B = 0), so every implicit reward is 0 and the loss is log 2
+    # step 1: the policy is the reference (LoRA B = 0), so every implicit reward is 0 and the loss is log 2 -- up to
+    # fp32 rounding: the policy (adapters on, B = 0) and the reference (adapters off) may take different float paths
+    # on another CPU (2.4e-7 measured on an AMD EPYC without AVX-512, issue 34). A reward is beta (0.5) x a sum of
+    # <= 64 per-token log-prob differences of a few fp32 ulps each (|log p| <= log V ~ 11, ulp ~ 1e-6): ~ 4e-6 as a
+    # random walk, so 1e-5. Whether a tie counts as wrong (TRL) is checked by hand in tests/test_dpo_losses.py: here
+    # the margins are rounding noise, and so is which pairs they call right.
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
-    assert first["rewards/accuracies"] == 0.0  # ties count as wrong, as in TRL
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert first[key] == pytest.approx(0.0, abs=1e-5), key
     last = rows[-1]
     assert last["step"] == 12 and summary["loss_last10"] < summary["loss_first10"]
     assert sum(r["loss"] for r in rows[-4:]) / 4 < 0.4 and last["rewards/margins"] > 0.5
@@ -214,7 +219,9 @@ def test_pipeline_sft_then_dpo(tiny_model_dir, tmp_path):
     assert wired["model"]["init_adapter"] == str(out / "01-cold_start" / "policy")
     # the DPO stage starts from the SFT adapter, which is also its frozen reference: implicit rewards 0 at step 1
     first = read_metrics(out / "02-prefs")[0]
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0.0
+    # (zero up to fp32 rounding on another CPU: see test_loss_starts_at_log2_and_falls_on_a_separable_set)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     # a DPO stage that would be the evaluation recipe needs task prompts
     bad = text.replace(", task_source: arithmetic", "")
     (tmp_path / "bad.yaml").write_text(bad)

@@ -20,6 +20,8 @@ from lorarl.errors import RecipeError
 from lorarl.rollout import Rollout
 from lorarl.runs import read_metrics
 
+ROUNDING = 1e-5  # policy == reference up to fp32 rounding of two float paths (tests/test_dpo.py says why)
+
 
 # ---- the ranking (pure) ---------------------------------------------------------------------------------------
 def test_rank_pairs_by_hand():
@@ -124,9 +126,11 @@ def test_loss_starts_at_log2_and_the_reward_rises(peaky_model_dir, reward_file, 
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 17))
     first = rows[0]
-    # step 1: the policy is the reference (LoRA B = 0): every implicit reward 0, the DPO loss log 2
+    # step 1: the policy is the reference (LoRA B = 0): every implicit reward 0, the DPO loss log 2 -- up to fp32
+    # rounding, as policy (adapters on, B = 0) and reference (adapters off) may take different float paths on
+    # another CPU (tests/test_dpo.py says why 1e-5; ties counted wrong are checked in tests/test_dpo_losses.py)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=ROUNDING)
     assert first["pairs"] + first["pairs/ties"] == 8  # 8 prompts, each a pair or a tie
     assert first["objective/scores_margin"] > 0  # chosen scored above rejected, by construction
     early = sum(r["reward"] for r in rows[:5]) / 5
@@ -135,7 +139,8 @@ def test_loss_starts_at_log2_and_the_reward_rises(peaky_model_dir, reward_file, 
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "val/contain_eos_token"):
         assert key in first, key
     # TRL's objective/*: no KL while policy == reference; the entropy estimate is minus the rows' mean log-prob
-    assert first["objective/kl"] == 0.0 and first["objective/non_score_reward"] == 0.0
+    assert first["objective/kl"] == pytest.approx(0.0, abs=ROUNDING)
+    assert first["objective/non_score_reward"] == pytest.approx(0.0, abs=ROUNDING)
     assert first["objective/entropy"] == pytest.approx(-(first["logps/chosen"] + first["logps/rejected"]) / 2)
     assert first["objective/entropy"] > 0
     assert any(r["objective/kl"] != 0.0 for r in rows[1:])  # the policy moved away from the reference
@@ -227,7 +232,8 @@ def test_from_an_adapter_it_is_also_the_frozen_reference(peaky_model_dir, reward
     train(recipe, tmp_path / "second")
     first = read_metrics(tmp_path / "second")[0]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    assert first["rewards/chosen"] == pytest.approx(0.0, abs=ROUNDING)
+    assert first["rewards/rejected"] == pytest.approx(0.0, abs=ROUNDING)
     before = load_file(str(start / "adapter_model.safetensors"))
     after = load_file(str(tmp_path / "second" / "policy" / "adapter_model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved away from it
@@ -286,5 +292,5 @@ def test_a_group_of_four_trains_its_best_against_its_worst(peaky_model_dir, tmp_
     assert row["pairs"] == len(margins) and row["pairs/ties"] == ties and margins
     assert row["objective/scores_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-5)
     # step 1: policy == reference, no KL: TRL's rlhf_reward is the mean reward of the trained rows (best and worst)
-    assert row["objective/kl"] == 0.0
+    assert row["objective/kl"] == pytest.approx(0.0, abs=ROUNDING)
     assert row["objective/rlhf_reward"] == pytest.approx(sum(trained) / len(trained), rel=1e-5)

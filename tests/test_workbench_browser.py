@@ -19,7 +19,6 @@ import json
 import os
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -127,7 +126,6 @@ def test_launch_watch_stop_resume_chat_vote_retrain_export(workbench, tiny_model
         pytest.skip("Chromium is not installed (apt-get install -y chromium, or set LORARL_CHROMIUM)")
     from playwright.sync_api import sync_playwright
 
-    t0 = time.monotonic()
     with sync_playwright() as pw, tempfile.TemporaryDirectory(prefix="lorarl-chromium-") as profile:
         ctx = pw.chromium.launch_persistent_context(
             profile, executable_path=exe, headless=True, args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000}
@@ -148,7 +146,9 @@ def test_launch_watch_stop_resume_chat_vote_retrain_export(workbench, tiny_model
             raise
         finally:
             ctx.close()
-    assert time.monotonic() - t0 < 300
+    # No wall-clock bound on the whole walk (it took 441 s on a loaded 2-core AMD EPYC, issue 34): every wait above
+    # has its own timeout (Playwright's 30 s default, LONG for a subprocess that loads the model and trains), so a
+    # hang fails at the step that hangs, and a slow machine is not a failure.
 
 
 def _train(page, runs: Path, tiny_model_dir: Path) -> None:
