@@ -146,7 +146,7 @@ def cmd_bench(args) -> int:
     if args.which == "gpu":  # every GPU measurement into one folder (lorarl.bench.gpu)
         from lorarl.bench.gpu import run_gpu_bench
 
-        result = run_gpu_bench(out=args.out, parts=args.part, force=args.force, smoke=args.smoke)
+        result = run_gpu_bench(out=args.out, parts=args.part, force=args.force, smoke=args.smoke, quick=args.quick)
         _print_json_last(result)
         return 1 if result["failed"] else 0
     if args.which == "agent-turns":  # a 3-turn GRPO step vs a single-turn one of the same tokens (issue 23)
@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--part", action="append", default=None, help="gpu: run only this part (repeatable; default all)")
     b.add_argument("--force", action="store_true", help="gpu: run parts again even if their JSON exists")
     b.add_argument("--smoke", action="store_true", help="gpu: tiny shapes on any device (a temp folder by default)")
+    b.add_argument("--quick", action="store_true", help="gpu: fewer shapes / steps / repeats (about 9 min on an H100)")
     b.add_argument("--steps", type=int, default=5)
     b.add_argument(
         "--shapes",

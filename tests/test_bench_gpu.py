@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from test_bench_step import check_step_record
 
 from lorarl.bench import gpu
 from lorarl.bench.gpu_parts import PARTS, rollout_targets
@@ -76,6 +77,8 @@ def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
     assert "static_kv_cache" in run["estimate"]["breakdown"]["generation"]  # the fast engine's cache is predicted
     assert run["estimate"]["settings"]["packed_training"] is True
     assert all(0.8 < p["ratio"] < 1.25 for p in run["phases"].values()), run["phases"]
+
+    check_step_record(rec["step"])  # (tests/test_bench_step.py)
 
     det = rec["deterministic"]["result"]
     assert det["run"]["runs"]["deterministic"]["reproducible"] is True  # the option's promise, checked

@@ -3,8 +3,9 @@
     lorarl bench gpu                        # all parts -> docs/measurements/gpu/<device>-<date>/
     lorarl bench gpu --part rollout         # one part (repeatable); the others are left as they are
     lorarl bench gpu --smoke                # tiny shapes on any device (CPU included), in a temporary folder
+    lorarl bench gpu --quick --part rollout --part step --part grpo-vs-trl --part quickstart   # ~9 min, one H100
 
-Parts, in order (:mod:`lorarl.bench.gpu_parts`): ``env``, ``hf-profile``, ``rollout``, ``quickstart``,
+Parts, in order (:mod:`lorarl.bench.gpu_parts`): ``env``, ``hf-profile``, ``rollout``, ``quickstart``, ``step``,
 ``grpo-vs-trl``, ``plan``, ``deterministic``. Each writes ``<part>.json`` (its settings, result, headline lines,
 seconds, the warnings it raised) and, for raw files, ``<part>.files/``; ``summary.md`` is rewritten after every part
 from all the JSON files present. A part whose JSON records success is skipped unless ``--force`` (a failed one runs
@@ -35,6 +36,22 @@ from lorarl.errors import LorarlError  # noqa: E402
 
 QUICKSTART = "grpo_arithmetic.yaml"
 QUICKSTART_GPU = ["model.quantization=none", "model.dtype=bfloat16", "train.report_to=[]"]
+STEP_FULL = {  # the step part (lorarl.bench.step): 8 prompts x 8, 128-token prompts, NF4, held to 24 GB
+    "models": ["qwen2.5-1.5b", "llama-3.1-8b"],
+    "new_tokens": [256, 1024],
+    "quantization": "nf4",
+    "prompts": 8,
+    "group_size": 8,
+    "prompt_len": 128,
+    "lora_r": 16,
+    "steps": 2,  # the first a warm-up (lorarl's graph capture, TRL's first generation); the second is reported
+    "micro_batch": 8,
+    "budget_gb": 24,
+    "engine": "fast",
+    "trl_variants": ["trl", "trl-cb"],
+    "timeout": 900,
+    "one_process": False,
+}
 
 
 def full_settings() -> dict[str, dict]:
@@ -61,6 +78,7 @@ def full_settings() -> dict[str, dict]:
             "eval_n": 200,
             "peer_steps": 6,
         },
+        "step": STEP_FULL,
         "grpo-vs-trl": {"model": "smollm2-135m", "steps": 6, "engine": "fast"},
         "plan": {
             "argv": ["--models", "qwen2.5-1.5b,llama-3.1-8b", "--engine", "fast", "--jobs", "1", "--timeout", "280"]
@@ -73,6 +91,22 @@ def full_settings() -> dict[str, dict]:
             "repeats": 10,
             "gather_shape": [8, 8, 40, 16],
         },
+    }
+
+
+def quick_settings() -> dict[str, dict]:
+    """``--quick``: the full settings with fewer shapes, steps and repeats (never fewer engines), so that
+    ``--quick --part rollout --part step --part grpo-vs-trl --part quickstart`` fits 9 minutes on one H100
+    (per-part estimates in docs/benchmarks.md)."""
+    full = full_settings()
+    roll = full["rollout"] | {"shapes": ["llama-3.1-8b", "qwen2.5-1.5b"], "repeats": 2}
+    step = STEP_FULL | {"models": ["qwen2.5-1.5b"], "new_tokens": [256]}
+    quick = full["quickstart"] | {"eval_n": 100, "peer_steps": 4}
+    return full | {
+        "rollout": roll,
+        "step": step,
+        "grpo-vs-trl": full["grpo-vs-trl"] | {"steps": 4},
+        "quickstart": quick,
     }
 
 
@@ -114,6 +148,18 @@ def smoke_settings(device_type: str, tiny_model: Path) -> dict[str, dict]:
             "target_batch": 2,
         },
         "quickstart": {"recipe": QUICKSTART, "overrides": tiny, "steps": 2, "eval_n": 4, "peer_steps": 2},
+        "step": STEP_FULL
+        | {
+            "models": ["tiny"],
+            "new_tokens": [4],
+            "prompts": 2,
+            "group_size": 2,
+            "prompt_len": 8,
+            "lora_r": 4,
+            "micro_batch": 2,
+            "one_process": True,  # every engine in one process (the imports once)
+            "cb_config": {"num_blocks": 4, "max_batch_tokens": 32},  # (on a CPU it would size its cache by RAM)
+        },
         "grpo-vs-trl": {"model": str(tiny_model), "steps": 1, "engine": "fast"},
         "plan": {
             "argv": ["--device", device_type, "--models", "tiny", "--quantization", "none", "--engine", "fast"]
@@ -199,9 +245,14 @@ def warning_counts(caught) -> list[dict[str, Any]]:
 
 
 def run_gpu_bench(
-    out: str | None = None, parts: list[str] | None = None, force: bool = False, smoke: bool = False
+    out: str | None = None,
+    parts: list[str] | None = None,
+    force: bool = False,
+    smoke: bool = False,
+    quick: bool = False,
 ) -> dict[str, Any]:
-    """Run the parts (all, or ``parts``) into ``out``; return ``{"out", "summary", "parts": {name: status}}``."""
+    """Run the parts (all, or ``parts``) into ``out`` (``quick``: :func:`quick_settings`); return ``{"out",
+    "summary", "parts": {name: status}}``."""
     import torch
 
     names = parts or list(PARTS)
@@ -215,7 +266,10 @@ def run_gpu_bench(
         Path(out) if out else (Path(tempfile.mkdtemp(prefix="lorarl-bench-gpu-")) if smoke else default_out(device))
     )
     folder.mkdir(parents=True, exist_ok=True)
-    settings = smoke_settings(device.type, tiny_model_folder(folder / "tiny-model")) if smoke else full_settings()
+    if smoke:
+        settings = smoke_settings(device.type, tiny_model_folder(folder / "tiny-model"))
+    else:
+        settings = quick_settings() if quick else full_settings()
     status: dict[str, str] = {}
     for name in names:
         path = folder / f"{name}.json"
@@ -279,4 +333,4 @@ def write_summary(folder: Path) -> Path:
     return path
 
 
-__all__ = ["full_settings", "run_gpu_bench", "smoke_settings", "write_summary"]
+__all__ = ["full_settings", "quick_settings", "run_gpu_bench", "smoke_settings", "write_summary"]

@@ -11,6 +11,8 @@ a ratio against a peer or a bound measured in the same run.
   ``rollout.files/<shape>.json`` so a rerun resumes; CUDA-graph use, capture failures and eager fallbacks per row;
 * ``quickstart``: ``recipes/grpo_arithmetic.yaml`` through the real run loop with the fast engine; held-out
   accuracy against the base's, step time against the same steps with the hf engine, the parity metrics;
+* ``step``: :func:`lorarl.bench.step.run`, a whole GRPO and PPO step at the 1.5B and 8B shapes in NF4 under a 24 GB
+  budget against TRL's ``GRPOTrainer`` (continuous batching off and on), ratios lorarl / TRL;
 * ``grpo-vs-trl``: :func:`lorarl.bench.grpo_vs_trl.run` (lorarl with the fast engine);
 * ``plan``: :func:`lorarl.bench.plan_validation.validate` (packed GRPO training, the fast engine's static cache);
 * ``deterministic``: :mod:`lorarl.bench.determinism` (the run with and without ``train.deterministic``, and the
@@ -275,6 +277,15 @@ def recipe_path(name: str) -> Path:
     raise LorarlError(f"bench gpu: recipe {name} not found (run from a lorarl checkout: it reads recipes/)")
 
 
+# ---- step -----------------------------------------------------------------------------------------------------------
+def part_step(ctx: PartContext) -> dict:
+    """A whole GRPO and PPO step of lorarl against TRL's GRPOTrainer (:func:`lorarl.bench.step.run`)."""
+    from lorarl.bench import step
+
+    res = step.run(ctx.settings, ctx.device.type, ctx.work)
+    return {"result": res, "headline": step.headline(res)}
+
+
 # ---- grpo-vs-trl, plan, deterministic -------------------------------------------------------------------------------
 def part_grpo_vs_trl(ctx: PartContext) -> dict:
     from lorarl.bench import grpo_vs_trl
@@ -339,6 +350,7 @@ PARTS = {
     "hf-profile": part_hf_profile,
     "rollout": part_rollout,
     "quickstart": part_quickstart,
+    "step": part_step,
     "grpo-vs-trl": part_grpo_vs_trl,
     "plan": part_plan,
     "deterministic": part_deterministic,

@@ -181,12 +181,13 @@ def trl_dataset(steps: int):
     return Dataset.from_list([{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"]} for i in order])
 
 
-def trl_config(steps: int, out: Path, device: str, dtype: str):
-    """TRL's ``GRPOConfig`` with the benchmark's settings (the module docstring lists them)."""
+def trl_config(steps: int, out: Path, device: str, dtype: str, **overrides: Any):
+    """TRL's ``GRPOConfig`` with the benchmark's settings (the module docstring lists them); ``overrides`` replace
+    fields (``lorarl bench gpu --part step`` sets its sizes, micro-batches and continuous batching there)."""
     from trl import GRPOConfig
 
     s = SETTINGS
-    return GRPOConfig(
+    fields = dict(
         output_dir=str(out / "trl-run"),
         per_device_train_batch_size=ROWS,
         gradient_accumulation_steps=1,
@@ -217,6 +218,7 @@ def trl_config(steps: int, out: Path, device: str, dtype: str):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    return GRPOConfig(**{**fields, **overrides})
 
 
 def step_timer():

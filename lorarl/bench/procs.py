@@ -97,11 +97,11 @@ def ratios(a: dict, b: dict, **keys: str) -> dict[str, float]:
     return {name: ratio(a[key], b[key]) for name, key in keys.items()}
 
 
-def run_worker(args: list[str], out: Path, timeout: float) -> dict:
-    """Run ``python -m lorarl.bench _worker ARGS --out OUT`` in a fresh process; return its last JSON stdout line.
+def run_worker(args: list[str], out: Path, timeout: float, module: str = "lorarl.bench") -> dict:
+    """Run ``python -m MODULE _worker ARGS --out OUT`` in a fresh process; return its last JSON stdout line.
 
     Raises LorarlError with the tail of its output when it fails, prints nothing JSON, or runs past ``timeout``."""
-    cmd = [sys.executable, "-m", "lorarl.bench", "_worker", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", module, "_worker", *args, "--out", str(out)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     print(f"[bench] {' '.join(args)} ...", flush=True)
