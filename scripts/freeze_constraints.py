@@ -67,7 +67,7 @@ def constraints() -> list[str]:
     others = closure(set(dists) - torch_only - {"lorarl"}, graph, stop={"torch"})
     skip = ({"lorarl", "torch"} | torch_only) - others
     skip |= {"pip", "setuptools", "wheel"}  # the installer's own tools (pip freeze leaves them out too)
-    skip |= {n for n in dists if n.startswith("nvidia-") or n.startswith("triton")}
+    skip |= {n for n in dists if n.startswith("nvidia-")}  # (triton: torch's own when torch requires it, else pinned)
     lines = []
     for name in sorted(dists):
         if name in skip:

@@ -27,8 +27,8 @@ else
   upgrade=()
 fi
 # (PYTHONWARNINGS: setuptools prints a multi-line "Editable installation" notice for every editable build)
-# (test: the suite's tools; docs: the documentation site, which the suite builds)
-PYTHONWARNINGS=ignore python -m pip install -q "${pins[@]}" "${upgrade[@]}" -e ".[test,docs]"
+# (test: the suite's tools; docs: the documentation site, which the suite builds; kernels: Triton, lorarl.kernels)
+PYTHONWARNINGS=ignore python -m pip install -q "${pins[@]}" "${upgrade[@]}" -e ".[test,docs,kernels]"
 # llama.cpp's GGUF converter (from the llama-cpp-python source package, fetched once from the package registry), and
 # a llama-cpp-python wheel if one was built before (the GGUF runtime; building it takes ~50 min on 2 cores)
 python -m lorarl.export.gguf fetch >/dev/null || echo "setup: could not fetch llama.cpp's converter; --format gguf will fetch it"

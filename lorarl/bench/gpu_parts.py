@@ -150,6 +150,8 @@ def part_rollout(ctx: PartContext) -> dict:
 
 
 def rollout_line(r: dict) -> str:
+    from lorarl.bench.rollout import kernel_text
+
     fast = r["fast"]
     fails = fast.get("graph_failures") or {}
     graphs = "graphs" if fast.get("cuda_graphs") else ("EAGER fallback" if fast.get("eager_fallback") else "eager")
@@ -159,7 +161,7 @@ def rollout_line(r: dict) -> str:
     return (
         f"{r['model']} B={r['batch']}: fast {fast['ms_per_step']:.2f} ms/step, hf {r['hf']['ms_per_step']:.2f} "
         f"(hf/fast {r['speedup']}); bound {r['bound_ms']:.3f} ms (fast x{r['fast_over_bound']}, hf "
-        f"x{r['hf_over_bound']}); {graphs}{extra}"
+        f"x{r['hf_over_bound']}); {graphs}{extra}; {kernel_text(r)}"
     )
 
 

@@ -1,6 +1,13 @@
 """``lorarl bench rollout``: decode speed of the fast engine against transformers' ``generate`` (the hf engine), on
 the same model in the same process, with the weight-streaming bound of the device.
 
+Engines: ``hf``; ``fast`` with ``generation.nf4_kernel: off`` (the NF4 base through bitsandbytes' ``matmul_4bit``,
+the LoRA path in the adapter's dtype: the engine measured before the kernel existed); ``fast_kernel``, the fast engine
+with ``nf4_kernel: auto`` (the default: :mod:`lorarl.kernels`), run where the kernel can run (CUDA and an NF4 model;
+otherwise the output says why it was not run, and the row's ``fast_kernel_skipped`` holds the reason). For the
+Llama-3.1-8B and Qwen2.5-1.5B shapes each row carries issue 32's target (:data:`BOUND_TARGETS`: ``fast_kernel`` at
+most 3x / 4x / 6x the bound at batch 1 / 16 / 64) and whether it was met.
+
 For each model and batch size ``B`` (1, 16, 64: ``B / G`` prompts x ``G = min(8, B)`` completions, as a GRPO step
 lays them out; prompts of random token ids, ``P/2`` to ``P`` long, left padded; LoRA r 16 on all linear layers with
 non-zero ``B`` so the adapter is computed; sampling at temperature 1 as rollouts do), each engine decodes once to
@@ -39,6 +46,8 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 GPU_SHAPES = ("llama-3.1-8b", "qwen2.5-7b", "qwen2.5-1.5b")
+# issue 32's decode targets, NF4 + LoRA r 16 on an H100: the fast_kernel step at most this many times the bound
+BOUND_TARGETS = {shape: {1: 3.0, 16: 4.0, 64: 6.0} for shape in ("llama-3.1-8b", "qwen2.5-1.5b")}
 
 
 # ---- the models ---------------------------------------------------------------------------------------------------
@@ -204,8 +213,9 @@ def bench_batch(shared, engines: dict, batch: int, prompt_len: int, new_tokens: 
             "kept_bytes": warm[name]["kept"],
             "wall_s": [round(x["wall"], 4) for x in full],
         }
-        if name == "fast":
+        if name.startswith("fast"):
             out[name].update(graph_report(shared, engines[name]))
+            out[name]["nf4_kernel"] = engines[name].kernel_reason is None
     return out
 
 
@@ -297,16 +307,23 @@ def bench_model(
 ) -> list[dict]:
     """Every batch size on one model: both engines, the bound, the ratios (and the profile, if asked); for a known
     shape on CUDA also the planner's static cache + graph pool next to what the fast engine kept."""
+    from lorarl.kernels.lora_decode import kernel_reason
     from lorarl.rollout.engines import HFEngine
     from lorarl.rollout.fast import FastEngine, release
 
     add_policy(shared)
     weights = weight_bytes_per_step(shared)
     bound_ms = 1000 * weights / bandwidth
+    skip = kernel_reason(shared.module, shared.device, "auto")
+    if skip:
+        print(f"[bench rollout] {label}: engine fast_kernel not run: {skip}", flush=True)
+    target = BOUND_TARGETS.get((shape_name or "").split(":")[0], {})
     rows = []
     for b in batches:
         release(shared)  # each batch size measures what its own state keeps
-        engines = {"hf": HFEngine(), "fast": FastEngine()}
+        engines = {"hf": HFEngine(), "fast": FastEngine(nf4_kernel="off")}
+        if not skip:
+            engines["fast_kernel"] = FastEngine(nf4_kernel="auto")
         res = bench_batch(shared, engines, b, prompt_len, new_tokens, repeats)
         hf, fast = res["hf"], res["fast"]
         row = {
@@ -321,7 +338,16 @@ def bench_model(
             "bound_ms": round(bound_ms, 6),
             "fast_over_bound": round(fast["ms_per_step"] / bound_ms, 2),
             "hf_over_bound": round(hf["ms_per_step"] / bound_ms, 2),
+            "fast_kernel": res.get("fast_kernel"),
+            "fast_kernel_skipped": skip,
+            "target_over_bound": target.get(b),
         }
+        if not skip:
+            kern = res["fast_kernel"]
+            row["kernel_over_bound"] = round(kern["ms_per_step"] / bound_ms, 2)
+            row["kernel_speedup"] = ratio(fast["ms_per_step"], kern["ms_per_step"])
+            if target.get(b) is not None:
+                row["kernel_meets_target"] = row["kernel_over_bound"] <= target[b]
         if shape_name and shared.device.type == "cuda":
             q = shared.cfg.quantization
             row["fast"]["planned_kept_bytes"] = planned_kept_bytes(shape_name, b, prompt_len, new_tokens, q)
@@ -345,7 +371,20 @@ def format_row(row: dict) -> str:
         f" | fast {fast['ms_per_step']:8.2f} ms/step {fast['tokens_per_s']:9.1f} tok/s"
         f" | hf/fast {row['speedup']} (best {row['speedup_best']}, cpu {row['cpu_speedup']})"
         f" | bound {row['bound_ms']:.3f} ms (fast x{row['fast_over_bound']}, hf x{row['hf_over_bound']})"
-        f" | cpu ms/step hf {hf['cpu_ms_per_step']:.1f} fast {fast['cpu_ms_per_step']:.1f}"
+        f" | cpu ms/step hf {hf['cpu_ms_per_step']:.1f} fast {fast['cpu_ms_per_step']:.1f} | {kernel_text(row)}"
+    )
+
+
+def kernel_text(row: dict) -> str:
+    """The ``fast_kernel`` engine's part of a row's line: ms/step, x the bound against the target, or why it did not
+    run."""
+    if row.get("fast_kernel") is None:
+        return f"fast_kernel not run: {row.get('fast_kernel_skipped')}"
+    target = row.get("target_over_bound")
+    goal = f" (target <= x{target}: {'met' if row['kernel_meets_target'] else 'NOT met'})" if target else ""
+    return (
+        f"fast_kernel {row['fast_kernel']['ms_per_step']:.2f} ms/step, x{row['kernel_over_bound']} the bound{goal},"
+        f" fast/fast_kernel {row['kernel_speedup']}"
     )
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lorarl.kernels.lora_decode import kernel_decode
 from lorarl.rollout.fast.graphs import pool_for
 from lorarl.rollout.fast.sampling import SamplerSettings, cache_length
 from lorarl.rollout.fast.state import DecodeState, cache_layers, prefill, unique_prompts
@@ -87,11 +88,19 @@ class FastEngine(ReusesKV):
     recipe's ``generation.cuda_graphs`` / ``generation.eos_check_every``; ``draw`` picks how sampled tokens are drawn
     (``race``: ``torch.multinomial``'s own algorithm, the default on CUDA; ``inverse_cdf``: the default on CPU).
     Inside ``with engine.reusing_kv():`` a call prefills only what the previous call's rows do not already hold
-    (:mod:`lorarl.rollout.prefix_kv`)."""
+    (:mod:`lorarl.rollout.prefix_kv`). ``nf4_kernel`` overrides ``generation.nf4_kernel`` (``auto``: the NF4 LoRA
+    layers decode through :mod:`lorarl.kernels.lora_decode` where it can run; ``off``); ``kernel_reason`` says why
+    the last call did not use it (None: it did)."""
 
     name = "fast"
 
-    def __init__(self, cuda_graphs: bool | None = None, eos_check_every: int | None = None, draw: str | None = None):
+    def __init__(
+        self,
+        cuda_graphs: bool | None = None,
+        eos_check_every: int | None = None,
+        draw: str | None = None,
+        nf4_kernel: str | None = None,
+    ):
         if draw not in (None, "race", "inverse_cdf"):
             raise ValueError(f"draw must be race or inverse_cdf, got {draw!r}")
         self.cuda_graphs = cuda_graphs
@@ -99,6 +108,8 @@ class FastEngine(ReusesKV):
         self.draw = draw
         self.steps_run = 0  # decode steps of the last call (token 0 included), for benchmarks
         self.used_graphs = False
+        self.nf4_kernel = nf4_kernel
+        self.kernel_reason: str | None = "not run yet"
 
     def sample(
         self,
@@ -131,12 +142,14 @@ class FastEngine(ReusesKV):
         width, self.steps_run = 1, 0
         if self.prefix_kv is not None:
             self.prefix_kv.begin()
-        for s in range(0, n, step):
-            c_ids, c_lp = self._decode(shared, prompts, rows[s : s + step], C, sampler, generation)
-            ids[s : s + c_ids.shape[0], : c_ids.shape[1]] = c_ids
-            if logprobs is not None:
-                logprobs[s : s + c_lp.shape[0], : c_lp.shape[1]] = c_lp
-            width = max(width, c_ids.shape[1])
+        setting = self.nf4_kernel or getattr(generation, "nf4_kernel", "auto")
+        with kernel_decode(shared.module, shared.device, setting) as self.kernel_reason:
+            for s in range(0, n, step):
+                c_ids, c_lp = self._decode(shared, prompts, rows[s : s + step], C, sampler, generation)
+                ids[s : s + c_ids.shape[0], : c_ids.shape[1]] = c_ids
+                if logprobs is not None:
+                    logprobs[s : s + c_lp.shape[0], : c_lp.shape[1]] = c_lp
+                width = max(width, c_ids.shape[1])
         if self.prefix_kv is not None:
             self.prefix_kv.commit()
         return Sampled(ids[:, :width], logprobs[:, :width] if logprobs is not None else None)
@@ -175,7 +188,7 @@ class FastEngine(ReusesKV):
         if graphs:
             pool = pool_for(shared)
             state = pool.state(shared, *shape)
-            run, self.used_graphs = pool.runner(shared, state, sampler)
+            run, self.used_graphs = pool.runner(shared, state, sampler, kernel=self.kernel_reason is None)
         else:
             state = DecodeState(shared, *shape)
             run, self.used_graphs = (lambda: state.step(sampler)), False

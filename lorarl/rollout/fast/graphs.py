@@ -174,12 +174,12 @@ class StatePool:
         return st
 
     def runner(
-        self, shared: SharedBase, state: DecodeState, sampler: SamplerSettings
+        self, shared: SharedBase, state: DecodeState, sampler: SamplerSettings, kernel: bool = False
     ) -> tuple[Callable[[], None], bool]:
-        """``(step, captured)``: the captured step for the state, the active adapters and ``sampler`` (captured
-        now if new), or the eager step when capture failed for that key."""
+        """``(step, captured)``: the captured step for the state, the active adapters, ``sampler`` and whether the
+        NF4 kernel decodes (``kernel``; captured now if new), or the eager step when capture failed for that key."""
         skey = (state.rows, state.length, state.new_tokens, state.kv_dtype)
-        key = (skey, adapter_key(shared), sampler)
+        key = (skey, adapter_key(shared), sampler, kernel)
         if key not in self.graphs:
             try:
                 self.graphs[key] = CapturedStep(lambda: state.step(sampler), lambda: rewind(state), self.pool)
