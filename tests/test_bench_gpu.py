@@ -25,7 +25,18 @@ def _read(folder, part: str) -> dict:
 
 
 def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
+    """Every part's code path on tiny shapes. Nothing checked depends on how busy the machine is (it failed once
+    under load, issue 34): smoke timings are differences of two short timings that noise can make <= 0, so only
+    that they are numbers is checked; the profile keeps every operator (not the top 5 by time, which load
+    reorders) so that the NF4 kernels are found whatever their share; ratios are compared to their rounding."""
     monkeypatch.setenv("LORARL_BENCH_THREADS", "1")
+    smoke = gpu.smoke_settings
+
+    def every_op(*a):
+        settings = smoke(*a)
+        return settings | {"hf-profile": settings["hf-profile"] | {"top": 100_000}}
+
+    monkeypatch.setattr(gpu, "smoke_settings", every_op)
     res = gpu.run_gpu_bench(out=str(tmp_path), smoke=True)
     assert res["parts"] == {name: "ok" for name in PARTS}, {n: _read(tmp_path, n).get("error") for n in PARTS}
     assert res["failed"] == []
@@ -41,8 +52,12 @@ def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
     prof = rec["hf-profile"]["result"]
     assert prof["quantization"] == "nf4" and prof["weight_bytes_per_step"] > 0
     row = prof["rows"][0]
-    assert row["wall_ms_per_step"] > 0 and row["host_ms_per_step"] > 0 and row["aten_ops_per_step"] > 0
-    assert row["wall_over_bound"] == pytest.approx(row["wall_ms_per_step"] / row["bound_ms"], rel=1e-2)
+    # wall / host ms per step: (9-token call - 1-token call) / 8, each a short timing: a number, of any sign
+    assert math.isfinite(row["wall_ms_per_step"]) and math.isfinite(row["host_ms_per_step"])
+    assert row["aten_ops_per_step"] > 0  # a count, not a timing
+    # wall_over_bound is rounded to 3 places from wall (3 places, ms) over the bound: compared to that rounding
+    rounding = 5e-4 + 5e-4 / row["bound_ms"]
+    assert row["wall_over_bound"] == pytest.approx(row["wall_ms_per_step"] / row["bound_ms"], abs=rounding)
     assert any("4bit" in op["op"] for op in row["top_9_tokens"])  # the decode step ran the NF4 kernels
 
     roll = rec["rollout"]["result"]
@@ -62,7 +77,7 @@ def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
     assert (
         q["fast_step_s"] > 0
         and q["hf_step_s"] > 0
-        and q["step_ratio"] == pytest.approx(q["fast_step_s"] / q["hf_step_s"], rel=1e-3)
+        and q["step_ratio"] == pytest.approx(q["fast_step_s"] / q["hf_step_s"], abs=5e-5)  # rounded to 4 places
     )
     assert q["parity_mean_abs"] and max(q["parity_mean_abs"]) < 1e-4  # fp32 on CPU: sampler == trainer
     assert "generation.engine=fast" not in q["overrides"]  # the fast / hf runs differ only in the engine
