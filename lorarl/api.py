@@ -76,6 +76,20 @@ def as_overrides(sections: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def refuse_pipeline_recipe(path: str) -> None:
+    """``lorarl train`` on a pipeline recipe: say which command runs it (one line, exit code 2)."""
+    from lorarl.config import yaml_load
+
+    try:
+        data = yaml_load(Path(path).read_text(encoding="utf-8"))
+    except Exception:  # unreadable: load_recipe reports it
+        return
+    if isinstance(data, dict) and "stages" in data:
+        raise LorarlError(
+            f"{path} is a pipeline recipe (it has stages:): run it with `lorarl pipeline {path} --out DIR`"
+        )
+
+
 def _build(recipe: Any, overrides: Iterable[str], sections: dict, objects: dict | None = None) -> Recipe:
     """A recipe (a path, a dict or a Recipe) with ``sections`` and ``objects`` (the ``python:`` names) applied as
     overrides before ``overrides``: a path goes through :func:`lorarl.config.load_recipe` as on the command line."""
@@ -83,7 +97,6 @@ def _build(recipe: Any, overrides: Iterable[str], sections: dict, objects: dict 
         raise LorarlError(f"overrides: expected a list of section.key=value strings, got the string {overrides!r}")
     all_overrides = as_overrides(sections) + as_overrides(objects or {}) + list(overrides)
     if isinstance(recipe, (str, Path)):
-        from lorarl.cli import refuse_pipeline_recipe
         from lorarl.config import load_recipe as load_recipe_file
 
         refuse_pipeline_recipe(str(recipe))

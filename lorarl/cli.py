@@ -15,7 +15,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from lorarl.errors import LorarlError  # noqa: E402
 
@@ -44,21 +43,8 @@ def cmd_models(args) -> int:
     return 0
 
 
-def refuse_pipeline_recipe(path: str) -> None:
-    """``lorarl train`` on a pipeline recipe: say which command runs it (one line, exit code 2)."""
-    from lorarl.config import yaml_load
-
-    try:
-        data = yaml_load(Path(path).read_text(encoding="utf-8"))
-    except Exception:  # unreadable: load_recipe reports it
-        return
-    if isinstance(data, dict) and "stages" in data:
-        raise LorarlError(
-            f"{path} is a pipeline recipe (it has stages:): run it with `lorarl pipeline {path} --out DIR`"
-        )
-
-
 def cmd_train(args) -> int:
+    from lorarl.api import refuse_pipeline_recipe
     from lorarl.config import load_recipe
 
     refuse_pipeline_recipe(args.recipe)

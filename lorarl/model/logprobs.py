@@ -1,7 +1,7 @@
 """Log-probs of completion tokens under the active role: the forward paths, all exact rewrites of one full forward.
 
-* :func:`chunked_token_logprobs`: ``log softmax(logits / T)`` of the target tokens from hidden states, a chunk of
-  positions at a time (each chunk recomputed in backward), so the ``[B, T, V]`` fp32 logits never exist at once.
+* :func:`~lorarl.model.chunked.chunked_token_logprobs` (below :class:`~lorarl.model.shared.SharedBase`, which
+  uses it): ``log softmax(logits / T)`` of the target tokens from hidden states, a chunk of positions at a time.
 * :func:`completion_logprobs`: picks the path for a batch of completions --
   the full forward (every row ``[prompt | completion]``), the **prefix-shared** forward (each distinct prompt once,
   its keys / values indexed out to the rows that share it; needs a KV cache, so no activation checkpointing), or the
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
-from lorarl.core.losses import entropy_from_logprobs
+from lorarl.model.chunked import chunked_token_logprobs
 from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.tokens import position_ids
 
@@ -51,45 +50,6 @@ def joined(batch: TokenBatch) -> tuple[Tensor, Tensor]:
         torch.cat([batch.prompt_ids, batch.completion_ids], dim=1),
         torch.cat([batch.prompt_mask, batch.completion_mask], dim=1).long(),
     )
-
-
-def chunked_token_logprobs(
-    hidden: torch.Tensor,
-    lm_head: nn.Module,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 256,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(lm_head(h_t) / temperature)[targets_t], computed ``chunk_size`` positions at a time.
-
-    hidden [B, T, H], targets [B, T] -> logprobs [B, T] fp32 (and entropy [B, T] if asked; ``lm_head`` maps hidden
-    states to logits, the model's own logit transform included: :meth:`SharedBase.output_head`). Each chunk's logits are
-    recomputed in the backward pass (activation checkpointing), so at most one chunk of ``[B, chunk, V]`` fp32
-    logits is alive at a time, forward or backward.
-    """
-
-    def one_chunk(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = lm_head(h).float() / temperature  # [B, c, V]
-        lse = torch.logsumexp(logits, dim=-1)  # [B, c]
-        lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
-        if with_entropy:  # -inf logits (banned tokens) give 0, not NaN
-            ent = entropy_from_logprobs(logits - lse.unsqueeze(-1))
-        else:
-            ent = torch.zeros_like(lse)
-        return lp, ent
-
-    outs_lp, outs_ent = [], []
-    for s in range(0, hidden.shape[1], chunk_size):
-        h, tgt = hidden[:, s : s + chunk_size], targets[:, s : s + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(one_chunk, h, tgt, use_reentrant=False)
-        else:
-            lp, ent = one_chunk(h, tgt)
-        outs_lp.append(lp)
-        outs_ent.append(ent)
-    lp = torch.cat(outs_lp, dim=1)
-    return lp, (torch.cat(outs_ent, dim=1) if with_entropy else None)
 
 
 def prompt_groups(prompt_index: list[int]) -> tuple[list[int], Tensor]:

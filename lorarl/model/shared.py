@@ -31,8 +31,8 @@ from torch import nn
 
 from lorarl.config import LoraSettings, ModelConfig
 from lorarl.errors import LorarlError
+from lorarl.model.chunked import chunked_token_logprobs
 from lorarl.model.loading import OutputHead, load_base, logit_transform, lora_config, new_head
-from lorarl.model.logprobs import chunked_token_logprobs
 from lorarl.model.sampling import use_clean_generation_config
 from lorarl.model.tokens import end_of_turn_id, eos_token_ids, last_token_index, position_ids
 

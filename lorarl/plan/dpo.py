@@ -34,7 +34,7 @@ from lorarl.plan.terms import (
 )
 
 if TYPE_CHECKING:
-    from lorarl.plan.estimate import Moments, PlanSettings, StepSizes
+    from lorarl.plan.settings import Moments, PlanSettings, StepSizes
 
 
 def dpo_rows(s: PlanSettings, z: StepSizes) -> tuple[int, int]:

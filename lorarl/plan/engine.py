@@ -34,7 +34,7 @@ from lorarl.plan.terms import (
 NO_ROLLOUTS = ("dpo", "reward_model", "sft")  # steps that sample nothing (their evaluation may decode)
 
 if TYPE_CHECKING:
-    from lorarl.plan.estimate import Moments, PlanSettings, StepSizes
+    from lorarl.plan.settings import Moments, PlanSettings, StepSizes
 
 
 def uses_graphs(s: PlanSettings) -> bool:

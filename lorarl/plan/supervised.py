@@ -26,7 +26,7 @@ from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import checkpoint_bytes, final_hidden_bytes, train_logits_bytes
 
 if TYPE_CHECKING:
-    from lorarl.plan.estimate import Moments, PlanSettings, StepSizes
+    from lorarl.plan.settings import Moments, PlanSettings, StepSizes
 
 SUPERVISED = ("reward_model", "sft")
 
