@@ -60,8 +60,8 @@ def test_kernel_equals_bitsandbytes_dequantize_matmul(n, k, dtype, nested):
     assert weight.nested == nested
     for m in (1, 3, 16, 64):
         x = torch.randn(m, k).to(dtype)
-        # small tiles, so that several N tiles, K steps and split-K slices run; at M = 3 also an H100's launch_config
-        for config in [(16, 32, 32, 2)] + ([launch_config(m, n, k)] if m == 3 else []):
+        # small tiles, so that several N tiles, K steps and split-K slices run; at M = 3 and 64 also launch_config's
+        for config in [(16, 32, 32, 2)] + ([launch_config(m, n, k)] if m in (3, 64) else []):
             assert_matches(nf4_matmul(x, weight, config=config), x, packed, qs)
 
 
@@ -88,6 +88,17 @@ def test_kernel_reads_nibbles_and_nested_absmax_as_bitsandbytes_does():
     y = nf4_matmul(eye, NF4Weight.from_bnb(packed, qs))
     deq = bnbf.dequantize_4bit(packed, qs)
     assert torch.equal(y, deq[:, :64].T.contiguous())
+
+
+def test_launch_config_examples():
+    """The docstring's examples (hand-computed there: tiles x slices, and the partial-sum bytes cap)."""
+    import doctest
+
+    from lorarl.kernels import nf4_matmul as module
+
+    assert doctest.testmod(module).failed == 0
+    assert launch_config(1, 1024, 4096) == (16, 64, 256, 16)  # k_proj: 16 tiles x 16 slices of one BLOCK_K each
+    assert launch_config(1, 4096, 512) == (16, 64, 256, 2)  # a short K: slices at least BLOCK_K wide
 
 
 def test_kernel_refuses_what_it_cannot_read():

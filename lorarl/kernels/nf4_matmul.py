@@ -31,8 +31,10 @@ flat, so any ``K`` works.
 Tiling: one program per ``BLOCK_N`` output columns x ``BLOCK_M`` rows x one of ``SPLIT_K`` slices of ``K``; it
 dequantizes a ``[BLOCK_N, BLOCK_K]`` tile to the input dtype (as ``dequantize_4bit`` does) and accumulates
 ``tl.dot(x_tile, w_tile^T)`` in fp32; the ``SPLIT_K`` partial sums go to an fp32 buffer summed in a fixed order
-(deterministic: the same logits every call). ``SPLIT_K`` is chosen so that about 2 programs per SM run at
-``M = 1`` (:func:`launch_config`). These tile sizes are **unmeasured** guesses for an H100 (no GPU was lent while this
+(deterministic: the same logits every call). ``SPLIT_K`` is chosen so that at least 4 programs per SM run
+(:func:`launch_config`). Under the interpreter two things differ: bf16 operands go to ``tl.dot`` as fp32 (Triton
+3.9's interpreter computes the bf16 dot wrongly; the products are exact in fp32 either way), and the fp32 -> bf16
+rounding of the weight is done by hand on the bits on every device (the interpreter truncates). These tile sizes are **unmeasured** guesses for an H100 (no GPU was lent while this
 was written); ``python -m lorarl.bench.rollout`` measures the kernel's decode step against the weight-streaming bound.
 
 Its reference, :func:`reference_matmul`, is bitsandbytes' ``dequantize_4bit`` then a matmul; tests run the kernel
@@ -139,15 +141,25 @@ def reference_matmul(x: Tensor, packed: Tensor, quant_state) -> Tensor:
 
 def launch_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)`` for ``x [m, k] @ W[n, k]^T`` (unmeasured guesses for an H100's
-    ``sms`` = 132 SMs): ``BLOCK_M`` the rows rounded up to 16..64 (``tl.dot``'s minimum is 16); ``BLOCK_N = 64``;
-    ``BLOCK_K = 128`` (256 when ``m <= 16``: more bytes in flight per program); ``SPLIT_K`` the power of two that
-    brings the programs of one row tile to about ``2 sms``, at most ``k / BLOCK_K``, at most 16."""
-    block_m = min(64, max(16, triton.next_power_of_2(m) if triton else 16))
-    block_n = 64
-    block_k = 256 if m <= 16 else 128
+    ``sms`` = 132 SMs): ``BLOCK_M`` the rows rounded up to 16..64 (``tl.dot``'s minimum is 16); up to 16 rows
+    ``BLOCK_N = 64``, ``BLOCK_K = 256`` (more bytes in flight per program), above ``32`` and ``128``; ``SPLIT_K``
+    the smallest power of two giving at least ``4 sms`` programs (a decode step's weight reads need many loads in
+    flight), at most 16, each slice at least ``BLOCK_K`` wide, and at most ``k / (64 m)``: the fp32 partial sums
+    (``8 SPLIT_K m n`` bytes written and read) stay within a quarter of the packed weight's ``n k / 2`` bytes.
+
+    >>> launch_config(1, 4096, 4096)  # Llama-3.1-8B q_proj, batch 1: 64 column tiles x 16 slices of 256
+    (16, 64, 256, 16)
+    >>> launch_config(16, 4096, 4096)  # batch 16: 4 slices (partial sums 2 MB beside the 8 MB weight)
+    (16, 64, 256, 4)
+    >>> launch_config(64, 14336, 4096)  # gate_proj, batch 64: 448 column tiles, no split
+    (64, 32, 128, 1)
+    """
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    block_n, block_k = (64, 256) if m <= 16 else (32, 128)
     tiles = -(-n // block_n)
+    cap = min(16, max(1, k // (64 * m)))
     split = 1
-    while split < 16 and tiles * split * 2 <= 2 * sms and block_k * split * 2 <= k:
+    while split * 2 <= cap and tiles * split < 4 * sms and block_k * split * 2 <= k:
         split *= 2
     return block_m, block_n, block_k, split
 
