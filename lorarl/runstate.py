@@ -7,11 +7,14 @@ Pure file I/O and process checks (no torch), so the browser workbench can read t
 ``DIR/train.pid`` (present only while ``loop.train`` runs; written atomically)::
 
     {"pid": 4242, "host": "gpu-box", "started": "2026-11-25T16:40:00+00:00", "argv": ["lorarl", "train", ...],
-     "proc_start": 123456}
+     "proc_start": 123456, "pgid": 4242}
 
 ``proc_start`` is the process's start time in clock ticks since boot (field 22 of ``/proc/PID/stat``; absent where
 there is no ``/proc``): a pid reused by another process after the run died has another start time, so a stale file
-never names a live run (and Stop never signals the wrong process).
+never names a live run (and Stop never signals the wrong process). ``pgid`` is its process group. Where ``/proc``
+exists a file without ``proc_start`` names no live run (a forged or foreign file blocks nothing), and Stop
+(:func:`request_stop`) signals only a process whose start time and process group both match the file, never this
+process nor a process of its own group -- never a process picked by its name.
 
 ``DIR/state.json`` (written atomically at the start, after every step, and at the end)::
 
@@ -23,11 +26,14 @@ one line in ``error``; or the process died without saying why: a ``running`` fil
 ``crashed``). A folder without the file reads as ``{"state": "new"}``.
 
 ``DIR/completions.jsonl`` (:class:`CompletionsLog`): a few sampled completions per step (``train.log_completions``).
-:class:`StopRequest` is the SIGTERM flag the loop checks after each step. docs/metrics.md describes the files.
+:class:`StopRequest` is the SIGTERM flag the loop checks after each step; inside a step the rollout engines
+watch it too (:meth:`StopRequest.observed`) and end a long generation early with :class:`StepAbandoned`.
+docs/metrics.md describes the files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,6 +127,8 @@ def write_pid(run_dir: str | os.PathLike, argv: list[str] | None = None, pid: in
     ticks = proc_start_ticks(pid)
     if ticks is not None:
         info["proc_start"] = ticks
+    with contextlib.suppress(OSError):
+        info["pgid"] = os.getpgid(pid)
     write_json_atomic(path, info)
     return path
 
@@ -137,10 +145,10 @@ def clear_pid(run_dir: str | os.PathLike) -> None:
 
 
 def process_alive(pid: int, proc_start: int | None = None) -> bool:
-    """Whether ``pid`` is a running process that could be a lorarl run: it exists (``os.kill(pid, 0)``), is not a
-    zombie, and (where ``/proc`` exists) started at ``proc_start`` (clock ticks, :func:`proc_start_ticks`) when that
-    is given -- else is this process or has ``lorarl`` in its command line. A pid reused by another process counts
-    as dead."""
+    """Whether ``pid`` is the running process a ``train.pid`` names: it exists (``os.kill(pid, 0)``), is not a
+    zombie, and (where ``/proc`` exists) started at ``proc_start`` (clock ticks, :func:`proc_start_ticks`). Without
+    a ``proc_start`` it counts as dead where ``/proc`` exists: a process is never recognised by its name (a forged
+    file naming any process, this one included, blocks nothing). A pid reused by another process counts as dead."""
     if pid <= 0:
         return False
     try:
@@ -154,14 +162,11 @@ def process_alive(pid: int, proc_start: int | None = None) -> bool:
         return True
     try:
         stat = (proc / "stat").read_text()
-        cmdline = (proc / "cmdline").read_bytes()
     except OSError:  # it ended between the checks
         return False
     if stat[stat.rfind(")") + 2 :].startswith("Z"):  # state field follows "(comm) "
         return False
-    if proc_start is not None:
-        return proc_start_ticks(pid) == proc_start
-    return pid == os.getpid() or b"lorarl" in cmdline
+    return proc_start is not None and proc_start_ticks(pid) == proc_start
 
 
 def live_pid(run_dir: str | os.PathLike) -> int | None:
@@ -179,11 +184,32 @@ def live_pid(run_dir: str | os.PathLike) -> int | None:
     return pid
 
 
-def request_stop(run_dir: str | os.PathLike) -> bool:
+def stop_refusal(run_dir: str | os.PathLike, pid: int, not_my_group: bool = False) -> str | None:
+    """Why Stop must not signal ``pid`` (the live pid of ``run_dir``'s ``train.pid``), or None: it is this process,
+    or its process group is not the one the file recorded (``pgid``; a file without one, where ``/proc`` exists,
+    names no group); with ``not_my_group`` (the workbench: its runs have their own session, a terminal's its own
+    job) also a process of this process's own group."""
+    if pid == os.getpid():
+        return f"{run_dir}: train.pid names this process (pid {pid}); not signalled"
+    try:
+        info = read_json(Path(run_dir) / PID_FILE) or {}
+        group = os.getpgid(pid)
+    except (LorarlError, OSError):
+        return f"{run_dir}: process {pid} is gone"
+    recorded = info.get("pgid")
+    if Path("/proc").is_dir() and (not isinstance(recorded, int) or recorded != group):
+        return f"{run_dir}: process {pid} is in process group {group}, not the run's ({recorded}); not signalled"
+    if not_my_group and group == os.getpgrp():
+        return f"{run_dir}: process {pid} is in this process's own group {group}; not signalled"
+    return None
+
+
+def request_stop(run_dir: str | os.PathLike, not_my_group: bool = False) -> bool:
     """Ask the live run of ``run_dir`` to stop (SIGTERM: it finishes its step, saves a checkpoint, writes state
-    ``stopped`` and exits 0). False when no process is training it."""
+    ``stopped`` and exits 0). False when no process is training it, or when :func:`stop_refusal` gives a reason not
+    to signal the one its ``train.pid`` names (the process is identified by start time and process group only)."""
     pid = live_pid(run_dir)
-    if pid is None:
+    if pid is None or stop_refusal(run_dir, pid, not_my_group) is not None:
         return False
     try:
         os.kill(pid, signal.SIGTERM)
@@ -263,6 +289,45 @@ class StopRequest:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+
+    def is_set(self) -> bool:
+        """:attr:`requested` (``threading.Event``'s name, for :func:`lorarl.chat.streaming.stopping_criteria`)."""
+        return self.requested
+
+    @contextlib.contextmanager
+    def observed(self):
+        """Inside: the rollout engines watch this flag (:func:`observed_stop`) and end a generation the moment it
+        is raised, with :class:`StepAbandoned`. The loop enters it around each step's work only."""
+        global _OBSERVED
+        previous, _OBSERVED = _OBSERVED, self
+        try:
+            yield self
+        finally:
+            _OBSERVED = previous
+
+
+_OBSERVED: StopRequest | None = None  # the flag generation watches (StopRequest.observed); None outside a step
+
+
+class StepAbandoned(BaseException):
+    """A stop was requested while a step was generating: the generation ended early and the step is abandoned
+    (nothing trains on its partial rollout; the loop saves the last complete step's state, as ``stopped``).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: code that isolates failures with ``except Exception`` (reward
+    functions, an LLM judge's answers) lets it through to the loop."""
+
+
+def observed_stop() -> StopRequest | None:
+    """The stop flag the current step's generation watches, or None (outside a training step: evaluation, chat,
+    ``lorarl generate``, a program calling the engines itself)."""
+    return _OBSERVED
+
+
+def abandon_if_stopped(where: str = "generation") -> None:
+    """Raise :class:`StepAbandoned` if the observed stop flag (:func:`observed_stop`) is raised. The decode loops
+    call it between tokens: a Python attribute read, no device synchronisation."""
+    if _OBSERVED is not None and _OBSERVED.requested:
+        raise StepAbandoned(f"stop requested during {where}")
 
 
 # --- completions.jsonl --------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ PYTHON_PREFIX = "python:"  # lorarl.inmemory.PREFIX (kept here so this module im
 
 
 def load_object(spec: str, what: str, recipe_path: str | Path | None = None, noun: str = "") -> Any:
-    """``package.module:attr`` or ``path/to/file.py:attr`` -> the object (a relative file path is looked up from the
-    current directory, then beside the recipe). Raises one-line :class:`LorarlError` naming ``what`` and ``spec``:
+    """``package.module:attr`` or ``path/to/file.py:attr`` -> the object (a relative file path is looked up beside
+    the recipe ``recipe_path`` that names it, then in the current directory: a recipe's code is its own folder's,
+    whatever folder it is run from). Raises one-line :class:`LorarlError` naming ``what`` and ``spec``:
     no ``:``, a missing file, a module that fails to import (with its error), a module without ``attr`` (``noun``,
     e.g. "function", names what was expected).
 
@@ -37,8 +38,8 @@ def load_object(spec: str, what: str, recipe_path: str | Path | None = None, nou
     try:
         if module_name.endswith(".py"):
             path = Path(module_name).expanduser()
-            if not path.is_file() and recipe_path is not None:
-                path = Path(recipe_path).parent / module_name
+            if not path.is_absolute() and recipe_path is not None and (Path(recipe_path).parent / path).is_file():
+                path = Path(recipe_path).parent / path
             if not path.is_file():
                 raise LorarlError(f"{what} {spec!r}: file {module_name} not found")
             mod_spec = importlib.util.spec_from_file_location(f"lorarl_user_{path.stem}", path)

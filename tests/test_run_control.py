@@ -56,11 +56,13 @@ def lorarl_sleeper(seconds: float = 30) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, str(seconds), "lorarl"])
 
 
-def write_pid_file(run_dir: Path, pid: int, host: str | None = None, proc_start: int | None = None) -> None:
-    """A train.pid as an older writer (no start time) or, with ``proc_start``, as :func:`runstate.write_pid` writes
-    it."""
+def write_pid_file(run_dir: Path, pid: int, host: str | None = None, proc_start: int | None | str = "real") -> None:
+    """A train.pid as :func:`runstate.write_pid` writes it (the process's real start time and group), with
+    ``proc_start`` another start time, or None: an older writer's (or a forged) file without one."""
     info = {"pid": pid, "host": host or socket.gethostname(), "started": runstate.now_iso(), "argv": ["lorarl"]}
-    if proc_start is not None:
+    if proc_start == "real":
+        info.update(proc_start=runstate.proc_start_ticks(pid), pgid=os.getpgid(pid))
+    elif proc_start is not None:
         info["proc_start"] = proc_start
     (run_dir / runstate.PID_FILE).write_text(json.dumps(info))
 
@@ -85,8 +87,10 @@ def test_live_pid_is_alive_lorarl_processes_on_this_host_only(tmp_path):
         assert runstate.live_pid(tmp_path) == live.pid
         write_pid_file(tmp_path, live.pid, host="another-host")
         assert runstate.live_pid(tmp_path) is None
-        write_pid_file(tmp_path, plain.pid)
+        write_pid_file(tmp_path, live.pid, proc_start=None)  # no start time: never live by its name (issue 34)
         assert runstate.live_pid(tmp_path) is None
+        write_pid_file(tmp_path, os.getpid(), proc_start=None)  # a forged file naming this process
+        assert runstate.live_pid(tmp_path) is None and runstate.request_stop(tmp_path) is False
         deadline = time.time() + 10
         while "Z" not in Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1][:3]:
             assert time.time() < deadline
@@ -121,7 +125,7 @@ def test_train_pid_names_the_process_by_its_start_time_so_a_reused_pid_is_not_li
         write_pid_file(tmp_path, live.pid, proc_start=start)
         assert runstate.live_pid(tmp_path) == live.pid
         # with a start time, the start time decides (a process whose command line does not say lorarl is the one)
-        write_pid_file(tmp_path, plain.pid, proc_start=runstate.proc_start_ticks(plain.pid))
+        write_pid_file(tmp_path, plain.pid)  # its start time and process group, as write_pid records them
         assert runstate.live_pid(tmp_path) == plain.pid
         assert runstate.request_stop(tmp_path) is True and plain.wait(timeout=10) == -signal.SIGTERM
         assert runstate.live_pid(tmp_path) is None  # gone

@@ -55,6 +55,7 @@ class Workbench:
         session.pause = self.memory.chat_pause
         self._watches: dict[Path, Any] = {}
         self._shown: dict[tuple[str, Path], tuple] = {}  # (browser session, run) -> view_stamp last sent
+        self._resume_shown: dict[str, str] = {}  # run label -> digest of the code its Resume listed (press again)
         self._lock = threading.Lock()
 
     # ---- choices ----------------------------------------------------------------------------------------------
@@ -220,6 +221,16 @@ class Workbench:
             run_dir = self._run_dir(run)
             label = self.runner.label(run_dir)
             recipe, overrides, _ = jobs.resume_source(run_dir, self.recipe_dirs, self.runs_dir)
+            code = resume_code(recipe, overrides, label)
+            if not self.catalog.consent.allowed(code):  # listed first; the second press is the consent
+                if self._resume_shown.get(label) != code.digest:
+                    self._resume_shown[label] = code.digest
+                    return (
+                        f"**not resumed yet:** run {label} runs code from its folder when resumed: {code.describe()}; "
+                        "read it, then press Resume again to run it"
+                    )
+                self.catalog.consent.allow(code)
+            self._resume_shown.pop(label, None)
             work = Work(f"the resume of run {label}", run_dir, recipe, tuple(overrides), pin=False)
             run_dir, admission = self.memory.start(work, lambda _: self.runner.resume(run_dir))
         except LorarlError as e:
@@ -305,6 +316,17 @@ class Workbench:
         summary, rows = gate_view(result)
         status = f"exported `{entry.id}` as {fmt} to `{result.get('out')}`"
         return status, summary, gr.Dataframe(value=rows, visible=bool(rows))
+
+
+def resume_code(recipe: Path, overrides: list[str], label: str):
+    """The code a resume of run ``label`` would run (:func:`lorarl.chat.consent.run_code` of the recipe it resumes
+    from, overrides applied), None when it names none."""
+    import dataclasses
+
+    from lorarl.chat.consent import run_code
+    from lorarl.config import load_recipe
+
+    return run_code(dataclasses.asdict(load_recipe(recipe, overrides, strict=False)), recipe, f"run {label}")
 
 
 def gate_view(result: dict) -> tuple[str, list[list[str]]]:

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from lorarl.app.paths import check_run_name, checked_recipe, checked_run, is_pipeline_dir, run_label
+from lorarl.app.paths import check_run_name, checked_recipe, checked_run, is_inside, is_pipeline_dir, run_label
 from lorarl.config import load_recipe, parse_override
 from lorarl.errors import LorarlError
 from lorarl.runs import is_adapter
@@ -45,6 +45,7 @@ from lorarl.runstate import (
     read_json,
     read_state,
     request_stop,
+    stop_refusal,
     write_json_atomic,
     write_pid,
     write_state,
@@ -141,15 +142,28 @@ def resume_source(run: Path, recipe_dirs: list[Path], runs_dir: Path) -> tuple[P
     (``RUN/launch.json``, the recipe still inside the configured folders) when they give the run's saved
     ``recipe.yaml`` -- relative data, reward and tool paths then resolve beside the original recipe as at launch --
     else ``RUN/recipe.yaml`` with no overrides; ``cwd`` the launch's working folder (None: this one). Raises
-    LorarlError when there is neither (the process never started training)."""
+    LorarlError when there is neither (the process never started training).
+
+    ``launch.json`` is a file in a run folder (copied from anywhere, or edited), so it gets Launch's checks: its
+    overrides pass :func:`check_overrides` (none names code), and its working folder must be this process's own
+    (a resume never runs in a folder a run folder names); either refused with one line naming the file."""
     saved, info = run / "recipe.yaml", read_launch(run)
-    cwd = Path(info["cwd"]) if info and isinstance(info.get("cwd"), str) and Path(info["cwd"]).is_dir() else None
+    cwd = Path(info["cwd"]) if info and isinstance(info.get("cwd"), str) else None
+    if cwd is not None and os.path.abspath(cwd) != os.getcwd():
+        raise LorarlError(
+            f"{run / LAUNCH_FILE}: launched in the working folder {cwd}, not this app's ({os.getcwd()}); refused: "
+            "start the app in that folder to resume, or resume from a terminal there"
+        )
     if info:
         try:
             original = checked_recipe(info["recipe"], recipe_dirs, runs_dir)
         except LorarlError:
             original = None
         if original is not None and (not saved.is_file() or _same_recipe(original, info["overrides"], saved)):
+            try:
+                check_overrides(original, list(info["overrides"]))
+            except LorarlError as e:
+                raise LorarlError(f"{run / LAUNCH_FILE}: {e}") from None
             return original, list(info["overrides"]), cwd
     if saved.is_file():
         return saved, [], cwd
@@ -176,6 +190,20 @@ def resume_refusal(run: Path) -> str | None:
     return None
 
 
+def check_real_folder(run_dir: Path, name: str) -> None:
+    """Refuse a new run's ``RUNS/NAME`` that is a symlink (live or dangling: a launch would write wherever it
+    leads) or something other than a folder."""
+    if run_dir.is_symlink():
+        target = os.readlink(run_dir)
+        dangling = "" if run_dir.exists() else ", which does not exist"
+        raise LorarlError(
+            f"run {name}: {run_dir} is a symlink to {target}{dangling}; a run must be a real folder inside "
+            f"{run_dir.parent}: pick another name"
+        )
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LorarlError(f"run {name}: {run_dir} is a file, not a folder; pick another name")
+
+
 def is_unstarted(run_dir: Path) -> bool:
     """A folder a launch may (re)use: missing, empty, or holding only what a launch writes before ``lorarl train``
     starts (:data:`lorarl.runstate.PRE_RUN_FILES`: a launch stopped or failed before training), and maybe the state
@@ -196,9 +224,13 @@ def is_unstarted(run_dir: Path) -> bool:
 
 def run_dirs(runs_dir: Path):
     """Every folder that may hold a run: ``RUNS/NAME`` and one level below (``RUNS/PIPELINE/STAGE``), hidden ones
-    left out."""
+    and symlinks that lead outside the runs folder left out."""
     try:
-        top = sorted(p for p in Path(runs_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
+        top = sorted(
+            p
+            for p in Path(runs_dir).iterdir()
+            if p.is_dir() and not p.name.startswith(".") and is_inside(p, runs_dir)  # a symlink out is no run
+        )
     except OSError:
         return
     for run in top:
@@ -237,7 +269,7 @@ class JobRunner:
             if proc.poll() is None:
                 return run
         for run in run_dirs(self.runs_dir):
-            if (run / PID_FILE).exists() and live_pid(run) is not None:
+            if (run / PID_FILE).exists() and live_pid(run) not in (None, os.getpid()):  # (this app trains nothing)
                 return run
         return None
 
@@ -277,6 +309,7 @@ class JobRunner:
         load_recipe(recipe, overrides)  # the loader's one line, before any process starts
         with self._lock, launch_lock(self.runs_dir):
             self._refuse_if_live()
+            check_real_folder(run_dir, run_name)
             if not is_unstarted(run_dir):
                 raise LorarlError(f"run {run_name} already exists in {self.runs_dir}; pick another name or resume it")
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -300,8 +333,12 @@ class JobRunner:
             and proc.poll() is None
             and (state_mtime is None or state_mtime < self._started.get(run, float("inf")))
         )
-        if not loading and request_stop(run):
+        if not loading and request_stop(run, not_my_group=True):
             return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
+        pid = live_pid(run)
+        why = stop_refusal(run, pid, not_my_group=True) if pid is not None and not loading else None
+        if why:
+            raise LorarlError(f"run {name}: not stopped: {why.split(': ', 1)[1]}")
         if proc is None or proc.poll() is not None:
             raise LorarlError(f"run {name} is not training; nothing to stop")
         proc.terminate()

@@ -36,7 +36,7 @@ def is_inside(path: Path, folder: Path) -> bool:
 
 def check_name(name: str, what: str = "run name") -> str:
     """A plain folder name (see the module docstring), else LorarlError."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):  # (no "\n" after $)
         raise LorarlError(
             f"{what} {name!r} must be a plain folder name (letters, digits, . _ -; no / and not starting with .)"
         )

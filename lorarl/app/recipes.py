@@ -9,6 +9,7 @@ becomes a ``section.key=value`` override, checked exactly as ``lorarl train RECI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lorarl.app.paths import checked_recipe
+from lorarl.chat.consent import code_items
 from lorarl.config import load_recipe, yaml_load
 from lorarl.config.algorithms import USES
 from lorarl.errors import LorarlError
@@ -102,17 +104,7 @@ def code_entries(path: str | os.PathLike) -> list[str]:
     """What in a recipe runs code of its own when launched: reward functions and tools named ``module:function`` /
     ``file.py:function``, an environment class, ``model.trust_remote_code`` (a model's own Python). The page shows
     them beside the recipe, so a recipe found in a run folder (copied or downloaded) is never launched unseen."""
-    from lorarl.config import load_recipe
-
-    recipe = load_recipe(path, strict=False)
-    out = [f"reward {f.name}" for f in recipe.reward.functions if ":" in f.name]
-    if recipe.agent is not None:
-        out += [f"tool {t}" for t in recipe.agent.tools if ":" in str(t)]
-        if recipe.agent.environment:
-            out.append(f"environment {recipe.agent.environment}")
-    if recipe.model.trust_remote_code:
-        out.append(f"the model's own code (model.trust_remote_code, {recipe.model.name})")
-    return out
+    return code_items(dataclasses.asdict(load_recipe(path, strict=False)))  # lorarl.chat.consent: one list
 
 
 # ---------------------------------------------------------------------------------------------------------------

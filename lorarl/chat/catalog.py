@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorarl.chat.consent import CodeConsent, RunCode, run_code
 from lorarl.config import RewardConfig, RewardSpec
 from lorarl.errors import LorarlError
 from lorarl.model.shared import HEAD_FILE
@@ -57,6 +58,7 @@ class ScorerEntry:
     specs: tuple[RewardSpec, ...] = ()  # the rule rewards, for kind "rules"
     folder: Path | None = None  # the reward adapter folder, for kind "reward_model"
     system_prompt: str | None = None  # the reward run's data.system_prompt (used when the chat has none)
+    recipe_path: Path | None = None  # the run's recipe.yaml, for kind "rules" (relative files are found beside it)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,6 +175,7 @@ class Catalog:
         self.entries: dict[str, Entry] = {}
         self.scorers: dict[str, ScorerEntry] = {}
         self.skipped: list[str] = []
+        self.consent = CodeConsent()  # code named by a run folder runs only once allowed (lorarl.chat.consent)
         self._lock = threading.Lock()
         self.scan()
 
@@ -243,7 +246,10 @@ class Catalog:
         if specs:
             sid = RULES_PREFIX + name
             label = " + ".join(f"{s.weight:g}×{s.name}" for s in specs)
-            scorers[sid] = ScorerEntry(sid, "rules", f"{name} · rules ({label})", name, specs=tuple(specs))
+            path = run / "recipe.yaml"
+            scorers[sid] = ScorerEntry(
+                sid, "rules", f"{name} · rules ({label})", name, specs=tuple(specs), recipe_path=path
+            )
 
     # ---- lookups ----------------------------------------------------------------------------------------------
     def choices(self) -> list[tuple[str, str]]:
@@ -302,6 +308,22 @@ class Catalog:
             return None
         recipe = read_recipe(path.parent)
         return (recipe, path) if _section(recipe, "agent") else None
+
+    def scorer_code(self, scorer: ScorerEntry | None) -> RunCode | None:
+        """The code a ``rules:RUN`` scorer would import (its run's ``module:function`` / ``file.py:function``
+        rewards), None for built-ins only or a reward model."""
+        if scorer is None or scorer.kind != "rules":
+            return None
+        recipe = {"reward": {"functions": [{"name": s.name} for s in scorer.specs]}}
+        return run_code(recipe, scorer.recipe_path, f"run {scorer.run}", ("reward",))
+
+    def tools_code(self, run: str | None) -> RunCode | None:
+        """The code a pane of run ``run`` would import to answer with tools (its ``agent.tools`` with ``:``; an
+        ``agent.environment`` is not offered in chat), None when it names none."""
+        found = self.run_recipe(run)
+        if found is None:
+            return None
+        return run_code(found[0], found[1], f"run {run}", ("tool",))
 
     def get_scorer(self, scorer_id: str) -> ScorerEntry | None:
         """The scorer for ``scorer_id`` (None for ``none``; rescanning once if unknown); LorarlError otherwise."""

@@ -239,7 +239,13 @@ class ChatEngine:
         max_pos = getattr(getattr(net, "config", None), "max_position_embeddings", None)
         if isinstance(max_pos, int) and max_pos > 0:
             keep = max(1, max_pos - max_new_tokens)
-            prompts = [p[-keep:] for p in prompts]
+            longest = max(len(p) for p in prompts)
+            if seed and longest > keep:  # a request's first call: refused, never cut silently
+                raise LorarlError(
+                    f"the conversation is {longest} tokens; this model reads {max_pos}, {keep} of them before "
+                    f"{max_new_tokens} new ones: shorten the message, Clear the chat or lower max new tokens"
+                )
+            prompts = [p[-keep:] for p in prompts]  # a tool pane's later turn: its oldest tokens go
         pad_id = _pad_id(tok)
         device = next(net.parameters()).device
         input_ids, attention_mask = pad_left(prompts, pad_id)
@@ -287,4 +293,6 @@ class ChatEngine:
         scorer = self.catalog.get_scorer(scorer_id)
         if scorer is None:
             return None
-        return self.scoring.score(scorer, conversations, answers, columns)
+        code = self.catalog.scorer_code(scorer)
+        self.catalog.consent.require(code, f"reward {scorer_id}")  # nothing from a run folder runs unseen
+        return self.scoring.score(scorer, conversations, answers, columns, code.digest if code else "")

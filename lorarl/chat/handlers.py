@@ -187,13 +187,15 @@ class Handlers:
         settings = (sys_p, temp, tp, mx, sd, rw, colj)
         yield from self._stream(message, n, [p0, p1, p2, p3], hist, settings, request)
 
-    def _check(self, panes: list[str], temp, tp, mx, sd, colj) -> tuple[GenerationConfig, int, dict]:
-        """The request's sampling settings, seed and reward columns, checked (and its panes known)."""
+    def _check(self, panes: list[str], temp, tp, mx, sd, rw, colj) -> tuple[GenerationConfig, int, dict]:
+        """The request's sampling settings, seed and reward columns, checked (and its panes known, and any code
+        from run folders its panes and reward would run allowed: :mod:`lorarl.chat.consent`)."""
         try:
             generation, seed, columns = generation_from_ui(temp, tp, mx), check_seed(sd), parse_columns(colj)
             for p in panes:
                 self.catalog.get(p)
             self.session.check_memory()
+            self.session.check_code(panes, rw)
         except LorarlError as e:
             raise gr.Error(str(e)) from None
         return generation, seed, columns
@@ -201,7 +203,7 @@ class Handlers:
     def _stream(self, message: str, n: int, pick: list[str], hist: list, settings: Sequence, request: gr.Request):
         """Answer ``message`` in the first ``n`` panes, yielding a frame each time their texts change."""
         sys_p, temp, tp, mx, sd, rw, colj = settings
-        generation, seed, columns = self._check(pick[:n], temp, tp, mx, sd, colj)
+        generation, seed, columns = self._check(pick[:n], temp, tp, mx, sd, rw, colj)
         hist = [display_history(h) for h in hist]
         before = [list(h) for h in hist]
         user = [{"role": "user", "content": message}]
@@ -225,6 +227,8 @@ class Handlers:
             raise gr.Error(str(job.error))
         for i, a in enumerate(job.answers):
             job.texts[i] = a.text
+        bodies = [c[len(system_messages(sys_p)) :] for c in convs]
+        self.session.record_turn(_session_id(request), sys_p or "", pick[:n], bodies, job.answers)  # what votes keep
         ntok = sum(len(a.token_ids) for a in job.answers)
         note = f"{'stopped' if stopped else 'done'}: {ntok} tokens in {time.monotonic() - t0:.1f} s"
         reward_md = [r.markdown() for r in job.rewards] if job.rewards else None
@@ -242,9 +246,32 @@ class Handlers:
     def on_pick(self, value):
         try:
             entry = self.engine.prepare(value)
+            note = self.code_note([value], NO_REWARD)
         except LorarlError as e:
             raise gr.Error(str(e)) from None
-        return [], "", f"ready: {entry.label}"
+        return [], "", f"ready: {entry.label}" + (f" · {note}" if note else "")
+
+    def code_note(self, panes: list[str], reward: str) -> str:
+        """What run-folder code the panes / reward would run and is not allowed yet (shown before it is asked for)."""
+        todo = [(w, c) for w, c in self.session.code_for(panes, reward) if not self.catalog.consent.allowed(c)]
+        if not todo:
+            return ""
+        what = "; ".join(f"{w} runs code from the {c.where} folder: {c.describe()}" for w, c in todo)
+        return f"⚠ {what}: read it, then press “Allow run code” to let it run"
+
+    def on_reward(self, reward, n, p0, p1, p2, p3):
+        """The reward dropdown changed: say what code it (and the panes) would run."""
+        try:
+            return self.code_note([p0, p1, p2, p3][: int(n)], reward) or self.status_line()
+        except LorarlError as e:
+            return f"**error:** {e}"
+
+    def on_allow_code(self, reward, n, p0, p1, p2, p3):
+        """The "Allow run code" button: allow the code the chosen reward and the shown panes name (and say exactly what)."""
+        try:
+            return self.session.allow_code([p0, p1, p2, p3][: int(n)], reward)
+        except LorarlError as e:
+            raise gr.Error(str(e)) from None
 
     def on_panes(self, n):
         return [gr.Column(visible=i < int(n)) for i in range(MAX_PANES)]
@@ -259,22 +286,16 @@ class Handlers:
     def vote_handler(self, verdict: str) -> Callable:
         """The callback of a vote button: ``verdict`` (left | right | tie) on the two chosen panes' last answers."""
 
-        def on_vote(li, ri, tr, *hist):
+        def on_vote(li, ri, tr, h0, h1, h2, h3, request: gr.Request):
+            # the panes' texts (h0..h3) are the browser's copy: the vote stores the turn the server generated
             li, ri = int(li) - 1, int(ri) - 1
             if li == ri:
                 raise gr.Error("pick two different panes to compare")
             tr = dict(tr or {})
-            panes = tr.get("panes") or []
-            if max(li, ri) >= len(panes):
-                raise gr.Error("those panes have not answered yet")
-            if tr.get("voted"):
-                raise gr.Error(f"already voted on this answer ({tr['voted']}); send or regenerate to vote again")
-            left, right = plain_history(hist[li]), plain_history(hist[ri])
             try:
-                path = self.session.vote(verdict, tr.get("system", ""), left, right, panes[li], panes[ri])
+                path, what = self.session.vote_turn(_session_id(request), verdict, li, ri)
             except LorarlError as e:
                 raise gr.Error(str(e)) from None
-            what = "tie" if verdict == "tie" else f"pane {(li if verdict == 'left' else ri) + 1} preferred"
             tr["voted"] = what
             return f"saved vote ({what}) to `{path}`", tr
 
@@ -295,6 +316,9 @@ def wire(w: Widgets, h: Handlers) -> None:
     for picker, bot, reward in zip(p.pickers, p.bots, p.rewards):
         picker.change(h.on_pick, picker, [bot, reward, w.status], **private)
     w.n_panes.change(h.on_panes, w.n_panes, p.cols, **private)
+    code_in = [w.settings.reward, w.n_panes, *p.pickers]
+    w.settings.reward.change(h.on_reward, code_in, w.status, **private)
+    w.allow_code.click(h.on_allow_code, code_in, w.status, **private)
     w.refresh.click(h.on_refresh, p.pickers, [*p.pickers, w.settings.reward, w.status], **private)
     for verdict in ("left", "right", "tie"):
         inputs = [w.votes["left_pane"], w.votes["right_pane"], w.turn, *p.bots]

@@ -52,9 +52,24 @@ def generation_from_ui(temperature: Any, top_p: Any, max_new_tokens: Any) -> Gen
     )
 
 
+SEED_LIMIT = 2**63  # torch.manual_seed takes a 64-bit seed
+
+
 def check_seed(seed: Any) -> int:
-    """The sampling seed as an int (empty: 0; negative: leave the RNG as it is)."""
-    return 0 if seed is None else _number(seed, "seed", int)
+    """The sampling seed as an int (empty: 0; negative: leave the RNG as it is): a whole number with
+    ``|seed| < 2**63``, else one line (``1e30``, ``inf``, ``1.5``)."""
+    if seed is None:
+        return 0
+    try:
+        value = int(seed)
+        whole = value == seed if isinstance(seed, float) else True
+    except (TypeError, ValueError, OverflowError):
+        raise LorarlError(f"seed must be a whole number, got {seed!r}") from None
+    if not whole:
+        raise LorarlError(f"seed must be a whole number, got {seed!r}")
+    if not -SEED_LIMIT < value < SEED_LIMIT:
+        raise LorarlError(f"seed must be between -2**63 and 2**63 (negative: random), got {seed!r}")
+    return value
 
 
 def parse_columns(text: str | None) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class Widgets:
     votes: dict[str, Any]  # "left" | "tie" | "right" -> button, plus "left_pane" / "right_pane" dropdowns
     status: Any
     settings: Settings
+    allow_code: Any = None  # "Allow run code": lets the code the chosen reward / panes name run (lorarl.chat.consent)
 
     @property
     def outputs(self) -> list[Any]:
@@ -145,7 +146,8 @@ def build_layout(
         stop = gr.Button("Stop", elem_id="stop")
         regen = gr.Button("Regenerate", elem_id="regen")
         clear = gr.Button("Clear", elem_id="clear")
+        allow_code = gr.Button("Allow run code", elem_id="allow-code")
     votes = _vote_row()
     status_md = gr.Markdown(status, elem_id="status")
     settings = _settings(scorer_choices)
-    return Widgets(turn, n_panes, refresh, panes, msg, send, stop, regen, clear, votes, status_md, settings)
+    return Widgets(turn, n_panes, refresh, panes, msg, send, stop, regen, clear, votes, status_md, settings, allow_code)

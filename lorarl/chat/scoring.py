@@ -63,18 +63,23 @@ class AnswerScorer:
         conversations: Sequence[list[dict]],
         answers: Sequence[Answer],
         columns: dict[str, Any] | None = None,
+        code_digest: str = "",
     ) -> list[RewardResult]:
-        """One :class:`RewardResult` per answer (``conversations[i]`` ends with the user turn ``answers[i]`` answers)."""
+        """One :class:`RewardResult` per answer (``conversations[i]`` ends with the user turn ``answers[i]`` answers);
+        ``code_digest``: the allowed code of a rules scorer (:mod:`lorarl.chat.consent`): other code, other build."""
         if scorer.kind == "rules":
-            return self._score_rules(scorer, conversations, answers, columns or {})
+            return self._score_rules(scorer, conversations, answers, columns or {}, code_digest)
         return self._score_reward_model(scorer, conversations, answers)
 
-    def _score_rules(self, scorer: ScorerEntry, conversations, answers, columns: dict) -> list[RewardResult]:
+    def _score_rules(self, scorer: ScorerEntry, conversations, answers, columns: dict, digest: str) -> list:
         from lorarl.rewards import RewardScorer, trl_completions
+        from lorarl.rewards.registry import RewardContext
 
-        fn = self._rules.get(scorer.id)
-        if fn is None:
-            fn = self._rules[scorer.id] = RewardScorer(list(scorer.specs), timeout_s=10.0)
+        key = f"{scorer.id}@{digest}"
+        fn = self._rules.get(key)
+        if fn is None:  # relative file.py rewards are found beside the run's recipe.yaml (then the working folder)
+            context = RewardContext(recipe_path=str(scorer.recipe_path) if scorer.recipe_path else None)
+            fn = self._rules[key] = RewardScorer(list(scorer.specs), timeout_s=10.0, context=context)
         n = len(answers)
         res = fn(
             [list(c) for c in conversations],

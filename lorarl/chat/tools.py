@@ -69,7 +69,9 @@ class RunTools:
         if found is None:
             return None
         recipe, path = found
-        key = (entry.run, id(tok), path.stat().st_mtime_ns)
+        code = self.catalog.tools_code(entry.run)
+        self.catalog.consent.require(code, f"pane {entry.id}")  # a run's own tools run only once allowed
+        key = (entry.run, id(tok), path.stat().st_mtime_ns, code.digest if code else "")
         if key not in self._agents:
             self._agents[key] = self._build(recipe, path, tok, eos_ids, entry.run)
         return self._agents[key]

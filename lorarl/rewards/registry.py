@@ -15,8 +15,9 @@ from lorarl.rewards.builtins import BUILTIN_REWARDS, RewardFn
 from lorarl.user_code import load_object
 
 
-def load_reward_fn(name: str) -> RewardFn:
-    """A built-in name, ``package.module:function`` or ``path/to/file.py:function`` -> the function."""
+def load_reward_fn(name: str, recipe_path: str | None = None) -> RewardFn:
+    """A built-in name, ``package.module:function`` or ``path/to/file.py:function`` -> the function (a relative
+    file is found beside the recipe ``recipe_path`` that names it, then in the working folder)."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:
@@ -26,7 +27,7 @@ def load_reward_fn(name: str) -> RewardFn:
             f"unknown reward {name!r}{hint}: use a built-in ({', '.join(BUILTIN_REWARDS)}), module:function, "
             "or remote / judge with their section"
         )
-    fn = load_object(name, "reward", noun="function")
+    fn = load_object(name, "reward", recipe_path, noun="function")
     if not callable(fn):
         raise LorarlError(f"reward {name!r}: {name.rpartition(':')[0]} has no function {name.rpartition(':')[2]!r}")
     return fn
@@ -69,7 +70,7 @@ def build_reward_fn(spec: RewardSpec, context: RewardContext | None = None) -> R
         if section is None:
             raise LorarlError(f"{spec.name!r} needs its section ({spec.name}: ...) in the entry")
         return SPECIAL_REWARDS[spec.name](spec, context)
-    return load_reward_fn(spec.name)
+    return load_reward_fn(spec.name, context.recipe_path if context is not None else None)
 
 
 def _metric_names(specs: list[RewardSpec]) -> list[str]:
