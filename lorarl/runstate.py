@@ -14,7 +14,7 @@ there is no ``/proc``): a pid reused by another process after the run died has a
 never names a live run (and Stop never signals the wrong process). ``pgid`` is its process group. Where ``/proc``
 exists a file without ``proc_start`` names no live run (a forged or foreign file blocks nothing), and Stop
 (:func:`request_stop`) signals only a process whose start time and process group both match the file, never this
-process nor a process of its own group -- never a process picked by its name.
+process (and, asked by the workbench, no process of its own group) -- never a process picked by its name.
 
 ``DIR/state.json`` (written atomically at the start, after every step, and at the end)::
 

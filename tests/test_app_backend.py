@@ -312,7 +312,9 @@ def test_runwatch_reads_only_new_complete_lines(tmp_path):
     # state: no state.json and no process -> new; progress from the rows and recipe.yaml
     assert v.state == "new" and (v.progress.step, v.progress.last_step) == (4, 10) and v.progress.eta_s is None
     # a running state with a live pid (this process) -> ETA = median step time x steps left
-    (run / "train.pid").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    from lorarl.runstate import write_pid
+
+    write_pid(run)  # (with its start time: a file without one names no live run)
     (run / "state.json").write_text(json.dumps({"state": "running", "step": 4, "last_step": 10}))
     v = w.poll()
     assert v.state == "running" and v.progress.eta_s == pytest.approx(2.5 * 6)
@@ -619,9 +621,10 @@ def test_pipeline_stages_count_for_the_one_job_rule_and_show_in_watch(tmp_path):
     (runs / "pipe" / "pipeline.yaml").write_text("stages: []\n")
     (stage / "recipe.yaml").write_text("algo: grpo\ntrain: {steps: 9}\n")
     (runs / "notpipe" / "sub").mkdir(parents=True)
-    live = lorarl_sleeper()
+    live = lorarl_sleeper(new_session=True)  # a run has its own process group; Stop checks it
     try:
         info = {"pid": live.pid, "host": os.uname().nodename, "proc_start": runstate.proc_start_ticks(live.pid)}
+        info["pgid"] = live.pid
         (stage / "train.pid").write_text(json.dumps(info))
         runstate.write_state(stage, "running", 3, 9)
         runner = jobs.JobRunner(runs, [SHIPPED])

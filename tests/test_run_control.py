@@ -50,10 +50,11 @@ def tiny(model_dir, tmp_path, **sections) -> dict:
     return data
 
 
-def lorarl_sleeper(seconds: float = 30) -> subprocess.Popen:
-    """A live process whose command line names lorarl (as a `lorarl train` one does)."""
+def lorarl_sleeper(seconds: float = 30, new_session: bool = False) -> subprocess.Popen:
+    """A live process whose command line names lorarl (as a `lorarl train` one does); ``new_session``: in its own
+    process group, as the workbench starts a run."""
     code = "import signal, sys, time; time.sleep(float(sys.argv[1]))"
-    return subprocess.Popen([sys.executable, "-c", code, str(seconds), "lorarl"])
+    return subprocess.Popen([sys.executable, "-c", code, str(seconds), "lorarl"], start_new_session=new_session)
 
 
 def write_pid_file(run_dir: Path, pid: int, host: str | None = None, proc_start: int | None | str = "real") -> None:
