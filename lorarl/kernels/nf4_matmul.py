@@ -26,7 +26,9 @@ for flat index ``f = n K + k`` and blocksize ``bs`` (64 by default). With double
 (``compress_statistics``) the absmax itself is 8-bit: ``absmax[b] = code2[q[b]] * absmax2[b // 256] + offset`` (fp32,
 ``dequantize_4bit`` -> ``dequantize_blockwise`` + ``offset``); the kernel computes it per block from the 1-byte codes,
 so it reads 1 byte per 64 weights, not 4. Blocks may straddle rows (``K`` not a multiple of ``bs``): the kernel indexes
-flat, so any ``K`` works.
+flat, so any ``K`` works. With ``K`` even (every model lorarl loads) each row starts on a byte, and the kernel loads
+each byte once, decodes its two codes and computes one scale for both, then interleaves them (``tl.join``); with
+``K`` odd it works per element.
 
 Tiling: one program per ``BLOCK_N`` output columns x ``BLOCK_M`` rows x one of ``SPLIT_K`` slices of ``K``; it
 dequantizes a ``[BLOCK_N, BLOCK_K]`` tile to the input dtype (as ``dequantize_4bit`` does) and accumulates
@@ -187,6 +189,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         DOT_F32: tl.constexpr,
         X_BF16: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -202,19 +205,32 @@ if triton is not None:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            flat = rn[:, None].to(tl.int64) * K + rk[None, :]  # [BLOCK_N, BLOCK_K] flat weight index
             w_ok = n_ok[:, None] & k_ok[None, :]
-            byte = tl.load(packed_ptr + (flat >> 1), mask=w_ok, other=0).to(tl.int32)
-            nib = (byte >> ((1 - (flat & 1)) * 4).to(tl.int32)) & 0xF  # even flat index: high nibble
-            val = tl.load(code_ptr + nib)
-            blk = flat // BS
+            if EVEN_K:  # byte i of row n holds k = 2i (high nibble) and 2i + 1: one load and one scale per byte
+                rp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                ok = n_ok[:, None] & (rp[None, :] * 2 < K)
+                pair = rn[:, None].to(tl.int64) * (K // 2) + rp[None, :]  # [BLOCK_N, BLOCK_K / 2] byte index
+                byte = tl.load(packed_ptr + pair, mask=ok, other=0).to(tl.int32)
+                blk = (pair * 2) // BS
+            else:  # any K: flat element f = n K + k is in byte f // 2, the high nibble when f is even
+                ok = w_ok
+                flat = rn[:, None].to(tl.int64) * K + rk[None, :]  # [BLOCK_N, BLOCK_K]
+                byte = tl.load(packed_ptr + (flat >> 1), mask=ok, other=0).to(tl.int32)
+                byte = (byte >> ((1 - (flat & 1)) * 4).to(tl.int32)) & 0xF  # the element's own code
+                blk = flat // BS
             if NESTED:
-                q = tl.load(absmax_ptr + blk, mask=w_ok, other=0).to(tl.int32)
-                scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + blk // 256, mask=w_ok, other=0.0)
+                q = tl.load(absmax_ptr + blk, mask=ok, other=0).to(tl.int32)
+                scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + blk // 256, mask=ok, other=0.0)
                 scale = scale + tl.load(offset_ptr)
             else:
-                scale = tl.load(absmax_ptr + blk, mask=w_ok, other=0.0)
-            w = tl.where(w_ok, val * scale, 0.0)  # fp32, as dequantize_4bit computes it, then rounded to x's dtype
+                scale = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
+            if EVEN_K:  # interleave: element 2i from the high nibble, 2i + 1 from the low one
+                hi = tl.load(code_ptr + (byte >> 4)) * scale
+                lo = tl.load(code_ptr + (byte & 0xF)) * scale
+                w = tl.join(hi, lo).reshape(BLOCK_N, BLOCK_K)
+            else:
+                w = tl.load(code_ptr + byte) * scale
+            w = tl.where(w_ok, w, 0.0)  # fp32, as dequantize_4bit computes it, then rounded to x's dtype
             if X_BF16:  # round to nearest even by hand: Triton's interpreter truncates (3.9), the GPU would not
                 bits = w.to(tl.uint32, bitcast=True)
                 bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -287,6 +303,7 @@ def nf4_matmul(x: Tensor, weight: NF4Weight, bias: Tensor | None = None, config:
         BLOCK_K=block_k,
         DOT_F32=interpreting() and x.dtype == torch.bfloat16,
         X_BF16=x.dtype == torch.bfloat16,
+        EVEN_K=k % 2 == 0,
     )
     y = part[0] if split == 1 else part.sum(0)
     if bias is not None:
