@@ -44,7 +44,7 @@ from lorarl.inmemory import (
     check_registered,
     check_same_objects,
     dataset_rows,
-    record_objects,
+    describe,
     register,
 )
 
@@ -274,8 +274,11 @@ def train(
     run_dir = prepare_run_dir(rec, out, resume=resume, force=force)
     if resume:
         check_same_objects(run_dir, objects)
-    if objects:
-        record_objects(run_dir, objects)
+    if objects:  # what each python: name was (a dataset's fingerprint: resume checks it)
+        from lorarl.inmemory import OBJECTS_FILE
+        from lorarl.runstate import write_json_atomic
+
+        write_json_atomic(run_dir / OBJECTS_FILE, {name: describe(obj) for name, obj in objects.items()})
     from lorarl.algos.loop import train as run_loop
 
     run_loop(rec, str(run_dir), resume=resume, max_steps=max_steps, progress=progress)

@@ -128,13 +128,6 @@ def check_same_objects(run_dir: Path, names: dict[str, Any]) -> None:
             )
 
 
-def record_objects(run_dir: Path, names: dict[str, Any]) -> None:
-    """Write ``run_dir/python_objects.json`` (atomic): :func:`describe` of each object under its ``python:`` name."""
-    from lorarl.runstate import write_json_atomic
-
-    write_json_atomic(Path(run_dir) / OBJECTS_FILE, {name: describe(obj) for name, obj in names.items()})
-
-
 def registered_names(recipe: Any) -> list[tuple[str, str]]:
     """Every ``(key, python:NAME)`` a recipe holds: data sources, reward functions, agent tools and environment."""
     found = [("data.source", recipe.data.source), ("data.eval_source", recipe.data.eval_source)]

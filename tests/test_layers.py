@@ -15,6 +15,7 @@ LAYERS = {
     # 0: foundations, no model and no torch state
     "errors": 0,
     "user_code": 0,
+    "inmemory": 0,  # the Python door's objects by python:NAME, looked up by user_code and data
     "core": 0,
     "config": 0,
     "phases": 0,
@@ -45,6 +46,7 @@ LAYERS = {
     "export": 4,
     "doctor": 4,
     "env_report": 4,
+    "api": 4,
     "cli": 5,
 }
 
