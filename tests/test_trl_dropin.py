@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -166,12 +167,8 @@ def _other(value):
     return 7  # None and others
 
 
-def _cases(kind):
-    for cls_name, table in TABLE.items():
-        cls = getattr(trl, cls_name)
-        for f in dataclasses.fields(cls):
-            if isinstance(table[f.name], kind):
-                yield pytest.param(cls_name, f.name, id=f"{cls_name}.{f.name}")
+def _fields(cls_name, kind):
+    return [f.name for f in dataclasses.fields(getattr(trl, cls_name)) if isinstance(TABLE[cls_name][f.name], kind)]
 
 
 def _ctx():
@@ -185,27 +182,40 @@ def test_table_covers_every_field_of_the_four_configs():
         assert len(names) > 120  # TrainingArguments' fields are in it
 
 
-@pytest.mark.parametrize(("cls_name", "field"), list(_cases(Refuse)))
-def test_each_refused_field_fails_with_its_line(cls_name, field, tmp_path):
-    args = default_config(getattr(trl, cls_name), str(tmp_path))
-    translate(args, _ctx())  # the default passes silently
-    value = _other(getattr(args, field))
-    setattr(args, field, value)
-    with pytest.raises(Refused) as e:
-        translate(args, _ctx())
-    line = str(e.value)
-    assert line == f"{cls_name}.{field}={value!r}: {TABLE[cls_name][field].why}" and "\n" not in line
+@pytest.mark.parametrize("cls_name", list(TABLE))
+def test_each_refused_field_fails_with_its_line(cls_name, tmp_path):
+    """Every refused field of the config, one at a time at a non-default value: its one line (the default passes)."""
+    base = default_config(getattr(trl, cls_name), str(tmp_path))
+    assert translate(base, _ctx())[1] == []  # the defaults pass silently
+    wrong = {}
+    fields = _fields(cls_name, Refuse)
+    for field in fields:
+        args = copy.copy(base)
+        value = _other(getattr(args, field))
+        setattr(args, field, value)
+        try:
+            translate(args, _ctx())
+            wrong[field] = "not refused"
+        except Refused as e:
+            if str(e) != f"{cls_name}.{field}={value!r}: {TABLE[cls_name][field].why}":
+                wrong[field] = str(e)
+    assert len(fields) >= 15 and not wrong, wrong
 
 
-@pytest.mark.parametrize(("cls_name", "field"), list(_cases(Note)))
-def test_each_noted_field_gives_one_notice(cls_name, field, tmp_path):
-    args = default_config(getattr(trl, cls_name), str(tmp_path))
-    assert translate(args, _ctx())[1] == []
-    value = _other(getattr(args, field))
-    setattr(args, field, value)
-    assert translate(args, _ctx())[1] == [
-        f"{cls_name}.{field}={value!r} has no effect in lorarl: {TABLE[cls_name][field].why}"
-    ]
+@pytest.mark.parametrize("cls_name", list(TABLE))
+def test_each_noted_field_gives_one_notice(cls_name, tmp_path):
+    """Every noted field of the config, one at a time at a non-default value: exactly its one notice."""
+    base = default_config(getattr(trl, cls_name), str(tmp_path))
+    wrong = {}
+    fields = _fields(cls_name, Note)
+    for field in fields:
+        args = copy.copy(base)
+        value = _other(getattr(args, field))
+        setattr(args, field, value)
+        notices = translate(args, _ctx())[1]
+        if notices != [f"{cls_name}.{field}={value!r} has no effect in lorarl: {TABLE[cls_name][field].why}"]:
+            wrong[field] = notices
+    assert len(fields) >= 50 and not wrong, wrong
 
 
 def test_docs_field_table_is_the_code_table():
@@ -385,3 +395,51 @@ def test_map_entries_name_recipe_keys():
         for name, rule in table.items():
             assert isinstance(rule, (Map, Note, Refuse)), name
             assert not isinstance(rule, Map) or rule.key, name
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's default
+def test_grpo_trains_scores_with_the_users_function_evaluates_and_saves(tiny_model_dir, tmp_path):
+    """One GRPO step with a reward that has a spread: TRL's per-function metric is the user's function over the
+    step's completions (all 4 logged), the update ran, evaluate() gives TRL's eval_ keys, save_model() writes the
+    PEFT adapter of the LoraConfig given."""
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        bf16=False,
+        max_steps=1,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        report_to="none",
+        log_completions=True,
+        num_completions_to_print=4,
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=[{"prompt": "Say hi", "answer": "2"}] * 4,
+        eval_dataset=[{"prompt": "What is 1 + 1?", "answer": "2"}] * 2,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    out = trainer.train()
+    row = trainer.state.log_history[0]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    by_hand = reward_len([s["completion"] for s in samples])
+    assert row["rewards/reward_len/mean"] == pytest.approx(sum(by_hand) / 4)
+    assert [s["reward"] for s in samples] == pytest.approx(by_hand)
+    if len(set(by_hand)) > 1:  # a spread: the update ran
+        assert math.isfinite(row["loss"]) and row["grad_norm"] > 0
+    assert out.global_step == 1
+    metrics = trainer.evaluate()
+    assert metrics and all(k.startswith("eval_") for k in metrics) and "eval_reward_mean" in metrics
+    trainer.save_model(str(tmp_path / "saved"))
+    config = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8) and (
+        tmp_path / "saved" / "adapter_model.safetensors"
+    ).is_file()
