@@ -16,7 +16,7 @@ from test_fast_graphs import ReplayGuard  # checks a replay against an independe
 from lorarl.config import GenerationConfig, LoraSettings, ModelConfig
 from lorarl.model import SharedBase
 from lorarl.rollout import generate_rollout
-from lorarl.rollout.engines import ENGINES, HFEngine, make_engine
+from lorarl.rollout.engines import HFEngine
 from lorarl.rollout.fast import FastEngine, adapter_key, cache_length, unsupported_reason
 from lorarl.rollout.fast import graphs as fast_graphs
 from lorarl.rollout.fast.sampling import (
@@ -28,6 +28,7 @@ from lorarl.rollout.fast.sampling import (
     select_tokens,
 )
 from lorarl.rollout.fast.state import unique_prompts
+from lorarl.rollout.registry import ENGINES, make_engine
 
 
 # ---- pure functions ------------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def test_turn_loop_with_kept_kv_gives_the_trajectories_of_the_loop_without(polic
     """Real sampling (greedy) through the turn loop, 3 model turns and 2 tool messages per trajectory (the turn
     structure fixed as ``lorarl bench agent-turns`` fixes it): the same ids and sampler log-probs with and without
     keys / values kept between turns; with them, turns 2 and 3 prefill only the tool messages and the last id."""
-    from lorarl.rollout.engines import make_engine
+    from lorarl.rollout.registry import make_engine
 
     sb = policy_shared
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in ("What is 123 * 45?", "And 7 * 8?")]

@@ -67,7 +67,7 @@ def test_resolution_on_cpu_and_on_a_card(tiny_model_dir, monkeypatch, capsys):
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-1.5b", "llama-3.1-8b"])
 def test_known_models_on_24_and_80_gb(name):
     """The per-device choice the docs table states."""
-    from lorarl.plan.shapes import model_shape
+    from lorarl.shapes import model_shape
 
     w = 2 * model_shape(name).num_params()
     expect = {"smollm2-135m": ("none", "none"), "qwen2.5-1.5b": ("nf4", "none"), "llama-3.1-8b": ("nf4", "nf4")}

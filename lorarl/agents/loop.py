@@ -39,9 +39,10 @@ from lorarl.config import GenerationConfig
 from lorarl.model import SharedBase
 from lorarl.model.tokens import pad_left
 from lorarl.phases import phase
-from lorarl.rollout.engines import Engine, make_engine
+from lorarl.rollout.engines import Engine
 from lorarl.rollout.generate import sequence_logprobs
 from lorarl.rollout.prefix_kv import reuse_refusal
+from lorarl.rollout.registry import make_engine
 from lorarl.rollout.types import Rollout
 
 

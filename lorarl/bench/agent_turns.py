@@ -230,7 +230,7 @@ def make_side(name: str, recipe, engine_name: str, tokens: int) -> Side:
     """The real GRPO algorithm on a fresh base, its rollout function given the bench's engine."""
     from lorarl.algos import make_algorithm
     from lorarl.model import SharedBase
-    from lorarl.rollout.engines import make_engine
+    from lorarl.rollout.registry import make_engine
 
     algo = make_algorithm(recipe, SharedBase.load(recipe.model))
     side = Side(name, algo, FixedTurnEngine(make_engine(engine_name), tokens))

@@ -10,14 +10,19 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from lorarl.chat.catalog import ScorerEntry, folder_stamp
 
-if TYPE_CHECKING:
-    from lorarl.chat.engine import Answer
+
+class ScoredAnswer(Protocol):
+    """What scoring reads of an answer (:class:`lorarl.chat.engine.Answer`, which sits above this module): its text
+    and its token ids without the EOS."""
+
+    text: str
+    token_ids: list[int]
 
 
 @dataclass
@@ -61,7 +66,7 @@ class AnswerScorer:
         self,
         scorer: ScorerEntry,
         conversations: Sequence[list[dict]],
-        answers: Sequence[Answer],
+        answers: Sequence[ScoredAnswer],
         columns: dict[str, Any] | None = None,
         code_digest: str = "",
     ) -> list[RewardResult]:

@@ -54,7 +54,7 @@ def choose_quantization(bf16_weight_bytes: int | None, budget_bytes: int | None,
 def bf16_weight_bytes(path) -> int | None:
     """2 bytes x the parameters of the model at ``path`` (from its ``config.json``; None where it has no decoder
     shape lorarl reads)."""
-    from lorarl.plan.shapes import model_shape
+    from lorarl.shapes import model_shape
 
     try:
         return 2 * model_shape(path).num_params()

@@ -7,7 +7,7 @@ one step, a term-by-term breakdown, and the micro-batch sizes it picked.
 
 Modules
 -------
-* :mod:`lorarl.plan.shapes`: :class:`ModelShape`, the published shapes :data:`KNOWN_CONFIGS`, :func:`model_shape`;
+* :mod:`lorarl.shapes`: :class:`ModelShape`, the published shapes :data:`KNOWN_CONFIGS`, :func:`model_shape`;
 * :mod:`lorarl.plan.terms`: one pure function per term below, each with its formula and a worked example, the
   constants, and :func:`total_bytes` (the budget's view of a peak);
 * :mod:`lorarl.plan.estimate`: :class:`PlanSettings` and :func:`estimate_memory`, composed of one function per
@@ -119,7 +119,6 @@ from lorarl.plan.recipes import (
     recipe_settings,
     resolve_micro_batch,
 )
-from lorarl.plan.shapes import KNOWN_CONFIGS, LINEAR_NAMES, ModelShape, known_config, model_shape
 from lorarl.plan.terms import (
     ALLOCATOR_SLACK,
     CUBLAS_WORKSPACE_BYTES,
@@ -142,6 +141,7 @@ from lorarl.plan.terms import (
     static_kv_cache_bytes,
     total_bytes,
 )
+from lorarl.shapes import KNOWN_CONFIGS, LINEAR_NAMES, ModelShape, known_config, model_shape
 
 __all__ = [
     "ALLOCATOR_SLACK",

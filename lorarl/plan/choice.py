@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from lorarl.plan.estimate import PlanSettings, estimate_memory, plan_settings
-from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import GB, total_bytes
+from lorarl.shapes import ModelShape
 
 TRAINING_PHASES = ("training", "critic_training", "optimizer", "reference")  # reference: DPO's, micro-batch sized
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import (
     checkpoint_bytes,
     final_hidden_bytes,
@@ -32,6 +31,7 @@ from lorarl.plan.terms import (
     scoring_logits_bytes,
     train_logits_bytes,
 )
+from lorarl.shapes import ModelShape
 
 if TYPE_CHECKING:
     from lorarl.plan.settings import Moments, PlanSettings, StepSizes

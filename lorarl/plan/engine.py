@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import (
     GRAPH_BUCKET,
     decode_output_bytes,
@@ -30,6 +29,7 @@ from lorarl.plan.terms import (
     static_cache_columns,
     static_kv_cache_bytes,
 )
+from lorarl.shapes import ModelShape
 
 NO_ROLLOUTS = ("dpo", "reward_model", "sft")  # steps that sample nothing (their evaluation may decode)
 

@@ -23,7 +23,6 @@ from lorarl.plan.settings import (  # noqa: F401  (PLANNED_ALGOS, plan_settings:
     plan_settings,
     step_sizes,
 )
-from lorarl.plan.shapes import ModelShape
 from lorarl.plan.supervised import SUPERVISED, supervised_training_moments
 from lorarl.plan.terms import (
     CUBLAS_WORKSPACE_BYTES,
@@ -41,6 +40,7 @@ from lorarl.plan.terms import (
     train_logits_bytes,
     value_head_input_bytes,
 )
+from lorarl.shapes import ModelShape
 
 
 # ---- persistent -----------------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorarl.plan.shapes import ModelShape, model_shape
 from lorarl.plan.terms import base_weight_bytes, kv_bytes_per_token, sampling_logits_bytes
+from lorarl.shapes import ModelShape, model_shape
 
 FORMAT_TOKENS = 48  # the answer-format line lorarl.rewards.judge_prompts appends
 MARKUP_TOKENS = 8  # <response id="i"> ... </response> around each completion of a group

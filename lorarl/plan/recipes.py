@@ -12,8 +12,8 @@ from lorarl.errors import LorarlError
 from lorarl.plan.choice import pick_micro_batch
 from lorarl.plan.estimate import PLANNED_ALGOS, PlanSettings, estimate_memory
 from lorarl.plan.judge import judge_settings
-from lorarl.plan.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
 from lorarl.plan.terms import GB
+from lorarl.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
 
 ARITHMETIC_PROMPT_TOKENS = 96  # a chat-templated arithmetic question with a system prompt stays well below this
 CPU_DEFAULT_MICRO_BATCH = 8

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import (
     dequantized_weight_bytes,
     head_params,
@@ -16,6 +15,7 @@ from lorarl.plan.terms import (
     lora_params,
     resolve_targets,
 )
+from lorarl.shapes import ModelShape
 
 PLANNED_ALGOS = ("grpo", "ppo", "dpo", "reward_model", "sft")  # the steps the planner models
 Moment = dict[str, float]  # the terms alive at the same time, by name

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorarl.plan.shapes import ModelShape
 from lorarl.plan.terms import checkpoint_bytes, final_hidden_bytes, train_logits_bytes
+from lorarl.shapes import ModelShape
 
 if TYPE_CHECKING:
     from lorarl.plan.settings import Moments, PlanSettings, StepSizes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from lorarl.plan.shapes import LINEAR_NAMES, ModelShape
+from lorarl.shapes import LINEAR_NAMES, ModelShape
 
 GIB = 1024**3
 GB = 1e9

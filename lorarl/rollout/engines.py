@@ -12,7 +12,8 @@ health check compares it with what the trainer computes). ``generation.engine`` 
   ``torch.multinomial``'s own algorithm), the live LoRA adapter unmerged; falls back to ``hf`` for models it
   cannot drive (``docs/rollout_engine.md``).
 
-Engines are registered in :data:`ENGINES` by name.
+Engines are registered by name in :data:`lorarl.rollout.registry.ENGINES`, above this module and the fast engine
+(which falls back to :class:`HFEngine`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from lorarl.model import SharedBase
 from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
 from lorarl.model.tokens import pad_left, position_ids
-from lorarl.rollout.fast import FastEngine
 from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
 
 
@@ -172,11 +172,3 @@ class HFEngine(ReusesKV):
         kept_ids = [p + new[i, : len(c) - len(p)].tolist() for i, (p, c) in enumerate(zip(rows, columns))]
         self.prefix_kv.add(KeptRows.from_cache(list(kept.layers), columns, kept_ids))
         return new
-
-
-ENGINES: dict[str, type] = {"hf": HFEngine, "fast": FastEngine}
-
-
-def make_engine(name: str) -> Engine:
-    """The engine registered as ``name`` (``generation.engine_for(device)``: ``auto`` resolved)."""
-    return ENGINES[name]()

@@ -20,7 +20,8 @@ from lorarl.model import SharedBase
 from lorarl.model.logprobs import completion_logprobs
 from lorarl.model.tokens import completion_mask, pad_left
 from lorarl.phases import phase
-from lorarl.rollout.engines import Engine, make_engine
+from lorarl.rollout.engines import Engine
+from lorarl.rollout.registry import make_engine
 from lorarl.rollout.types import Rollout
 
 

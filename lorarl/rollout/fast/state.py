@@ -24,7 +24,7 @@ same function runs eagerly (CPU, or CUDA without graphs) and inside a CUDA graph
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -35,7 +35,13 @@ from lorarl.rollout.fast.sampling import SamplerSettings, mask_finished, select_
 
 if TYPE_CHECKING:
     from lorarl.model import SharedBase
-    from lorarl.rollout.prefix_kv import PrefixKV
+
+
+class PrefillSource(Protocol):
+    """What :func:`prefill` reads of a kept-rows store (:class:`lorarl.rollout.prefix_kv.PrefixKV`, which sits above
+    this module: it checks its rows against the captured steps' adapter key)."""
+
+    def prefill_cache(self, shared: Any, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Any, int]: ...
 
 
 def unique_prompts(rows: list[int]) -> tuple[list[int], list[int]]:
@@ -49,7 +55,7 @@ def unique_prompts(rows: list[int]) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def prefill(shared: SharedBase, prompts: list[list[int]], prefix_kv: PrefixKV | None = None):
+def prefill(shared: SharedBase, prompts: list[list[int]], prefix_kv: PrefillSource | None = None):
     """Run the ``M`` distinct prompts (left padded to ``P``) through the active role once; with ``prefix_kv``, only
     the columns its kept rows do not cover (:meth:`~lorarl.rollout.prefix_kv.PrefixKV.prefill_cache`).
 

@@ -1,5 +1,7 @@
 """Model shapes: the numbers of a decoder-only transformer that memory depends on, read from a ``config.json``, a
-folder holding one, or a published config in :data:`KNOWN_CONFIGS` (no weights are read, nothing is downloaded)."""
+folder holding one, or a published config in :data:`KNOWN_CONFIGS` (no weights are read, nothing is downloaded).
+At the base of the package (it needs only :mod:`lorarl.errors`, and no torch): the planner (:mod:`lorarl.plan`)
+and the loader's quantization choice (:mod:`lorarl.model.loading`) both read it."""
 
 from __future__ import annotations
 
