@@ -167,8 +167,17 @@ def _other(value):
     return 7  # None and others
 
 
-def _fields(cls_name, kind):
-    return [f.name for f in dataclasses.fields(getattr(trl, cls_name)) if isinstance(TABLE[cls_name][f.name], kind)]
+def _each_changed(cls_name, kind, tmp_path):
+    """``(field, value, args)`` for each field of ``kind`` in the config: its default config with only that field
+    set to another value."""
+    base = default_config(getattr(trl, cls_name), str(tmp_path))
+    assert translate(base, _ctx())[1] == []  # the defaults pass silently
+    for f in dataclasses.fields(base):
+        if isinstance(TABLE[cls_name][f.name], kind):
+            args = copy.copy(base)
+            value = _other(getattr(args, f.name))
+            setattr(args, f.name, value)
+            yield f.name, value, args
 
 
 def _ctx():
@@ -185,14 +194,9 @@ def test_table_covers_every_field_of_the_four_configs():
 @pytest.mark.parametrize("cls_name", list(TABLE))
 def test_each_refused_field_fails_with_its_line(cls_name, tmp_path):
     """Every refused field of the config, one at a time at a non-default value: its one line (the default passes)."""
-    base = default_config(getattr(trl, cls_name), str(tmp_path))
-    assert translate(base, _ctx())[1] == []  # the defaults pass silently
-    wrong = {}
-    fields = _fields(cls_name, Refuse)
-    for field in fields:
-        args = copy.copy(base)
-        value = _other(getattr(args, field))
-        setattr(args, field, value)
+    wrong, fields = {}, []
+    for field, value, args in _each_changed(cls_name, Refuse, tmp_path):
+        fields.append(field)
         try:
             translate(args, _ctx())
             wrong[field] = "not refused"
@@ -205,13 +209,9 @@ def test_each_refused_field_fails_with_its_line(cls_name, tmp_path):
 @pytest.mark.parametrize("cls_name", list(TABLE))
 def test_each_noted_field_gives_one_notice(cls_name, tmp_path):
     """Every noted field of the config, one at a time at a non-default value: exactly its one notice."""
-    base = default_config(getattr(trl, cls_name), str(tmp_path))
-    wrong = {}
-    fields = _fields(cls_name, Note)
-    for field in fields:
-        args = copy.copy(base)
-        value = _other(getattr(args, field))
-        setattr(args, field, value)
+    wrong, fields = {}, []
+    for field, value, args in _each_changed(cls_name, Note, tmp_path):
+        fields.append(field)
         notices = translate(args, _ctx())[1]
         if notices != [f"{cls_name}.{field}={value!r} has no effect in lorarl: {TABLE[cls_name][field].why}"]:
             wrong[field] = notices
