@@ -104,7 +104,7 @@ def test_dpo_phases_by_hand():
 
 def test_dpo_reference_layer_moment_and_frozen_reference_adapter():
     from lorarl.plan.dpo import dpo_reference_moments
-    from lorarl.plan.estimate import plan_settings, step_sizes
+    from lorarl.plan.settings import plan_settings, step_sizes
 
     shape = model_shape("llama-3.1-8b")
     s = plan_settings(

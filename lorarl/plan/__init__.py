@@ -109,7 +109,7 @@ Example::
 from __future__ import annotations
 
 from lorarl.plan.choice import pick_micro_batch
-from lorarl.plan.estimate import PlanSettings, StepSizes, estimate_memory, plan_settings
+from lorarl.plan.estimate import estimate_memory
 from lorarl.plan.recipes import (
     ARITHMETIC_PROMPT_TOKENS,
     CPU_DEFAULT_MICRO_BATCH,
@@ -119,6 +119,7 @@ from lorarl.plan.recipes import (
     recipe_settings,
     resolve_micro_batch,
 )
+from lorarl.plan.settings import PlanSettings, StepSizes, plan_settings
 from lorarl.plan.terms import (
     ALLOCATOR_SLACK,
     CUBLAS_WORKSPACE_BYTES,

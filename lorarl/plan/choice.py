@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorarl.plan.estimate import PlanSettings, estimate_memory, plan_settings
+from lorarl.plan.estimate import estimate_memory
+from lorarl.plan.settings import PlanSettings, plan_settings
 from lorarl.plan.terms import GB, total_bytes
 from lorarl.shapes import ModelShape
 

@@ -14,7 +14,7 @@ from typing import Any
 from lorarl.errors import LorarlError
 from lorarl.plan.engine import fast_generation_moments, fast_persistent_terms
 from lorarl.plan.judge import judge_persistent_terms, judging_moments
-from lorarl.plan.settings import (  # noqa: F401  (PLANNED_ALGOS, plan_settings: read from here too)
+from lorarl.plan.settings import (
     PLANNED_ALGOS,
     Moment,
     Moments,

@@ -10,8 +10,9 @@ from lorarl.config import GRPOConfig, GRPOKLConfig, PPOConfig
 from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import pick_micro_batch
-from lorarl.plan.estimate import PLANNED_ALGOS, PlanSettings, estimate_memory
+from lorarl.plan.estimate import estimate_memory
 from lorarl.plan.judge import judge_settings
+from lorarl.plan.settings import PLANNED_ALGOS, PlanSettings
 from lorarl.plan.terms import GB
 from lorarl.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
 
