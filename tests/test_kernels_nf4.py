@@ -190,3 +190,40 @@ def test_recipe_key_is_validated():
     assert recipe_from_dict({"generation": {"nf4_kernel": "off"}}).generation.nf4_kernel == "off"
     with pytest.raises(LorarlError, match="generation.nf4_kernel"):
         recipe_from_dict({"generation": {"nf4_kernel": "fast"}})
+
+
+def test_self_check_error_by_hand():
+    """max |got - want| / max |want|: [1, -4] against [1, -2] is 2 / 2 = 1; equal outputs are 0."""
+    from lorarl.kernels.lora_decode import self_check_error
+
+    assert self_check_error(torch.tensor([1.0, -4.0]), torch.tensor([1.0, -2.0])) == 1.0
+    assert self_check_error(torch.tensor([3.0, 0.5]), torch.tensor([3.0, 0.5])) == 0.0
+
+
+def test_self_check_falls_back_when_the_kernel_is_wrong_or_raises(nf4_shared, monkeypatch):
+    """Before ``auto`` decodes through the kernel, it runs once on one of the model's own layers against bitsandbytes:
+    a kernel that is off by a tile, or that fails to build on the device, gives a reason (a warning naming the
+    device and the error) and the engine keeps PEFT's forward, which samples the same tokens as ``off``."""
+    from lorarl.kernels import lora_decode
+
+    layer = lora_decode.lora_nf4_layers(nf4_shared.module)[0].base_layer
+    monkeypatch.setattr(lora_decode, "_CHECKED", {})
+    assert lora_decode.self_check(layer) is None  # the real kernel passes (interpreter)
+
+    def wrong(x, weight, bias=None, config=None):
+        y = reference_matmul(x, layer.weight.data, layer.weight.quant_state)
+        y[..., :8] += 1.0  # one wrong tile
+        return y
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("PTX build failed")
+
+    for bad, says in ((wrong, "differ by"), (raises, "RuntimeError: PTX build failed")):
+        monkeypatch.setattr(lora_decode, "_CHECKED", {})
+        monkeypatch.setattr(lora_decode, "nf4_matmul", bad)
+        with pytest.warns(UserWarning, match=says):
+            reason = lora_decode.kernel_reason(nf4_shared.module, nf4_shared.device, "auto")
+        assert reason is not None and says in reason
+        with lora_decode.kernel_decode(nf4_shared.module, nf4_shared.device, "auto") as why:
+            assert why == reason  # cached: no second warning, no kernel in front of the layers
+            assert all("forward" not in m.__dict__ for m in lora_decode.lora_nf4_layers(nf4_shared.module))

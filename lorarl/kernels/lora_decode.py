@@ -21,6 +21,7 @@ lorarl), this one in bf16 / fp16: the logits differ by rounding only (tested aga
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lorarl.kernels.nf4_matmul import MAX_ROWS, NF4Weight, available, nf4_matmul
+from lorarl.kernels.nf4_matmul import MAX_ROWS, NF4Weight, available, nf4_matmul, reference_matmul
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -124,7 +125,47 @@ def kernel_reason(module: torch.nn.Module, device: torch.device, setting: str) -
     dtype = layers[0].base_layer.compute_dtype
     if dtype not in KERNEL_DTYPES:
         return f"compute dtype {dtype} (the kernel takes bfloat16 / float16)"
-    return None
+    return self_check(layers[0].base_layer)
+
+
+SELF_CHECK_ROWS = (1, 16)
+_CHECKED: dict[tuple, str | None] = {}  # (device, N, K, dtype) -> the self-check's reason (None: passed)
+
+
+def self_check_error(got: Tensor, want: Tensor) -> float:
+    """The self-check's measure: ``max |got - want| / max(max |want|, 1e-6)``, in fp32 (a relative error on the
+    output's scale, so one wrong tile shows whatever the layer's magnitude)."""
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def self_check(base: torch.nn.Module, tolerance: float = 2e-2) -> str | None:
+    """Run the kernel once on one of the model's own NF4 layers, on its device, for 1 and 16 rows, against
+    :func:`~lorarl.kernels.nf4_matmul.reference_matmul` (bitsandbytes' dequantize + matmul); a reason (and the
+    engine's fallback to PEFT's forward) when it raises or differs by more than ``tolerance`` on the output's scale
+    (:func:`self_check_error`; the CPU tests measure agreement to the output's last bit, so 2e-2 only catches a broken
+    build or device, never rounding). Done once per device and layer shape, before any sampling: the kernel has not
+    been timed or checked on every GPU, and a wrong sample would be trained on."""
+    w = base.weight
+    key = (str(w.device), tuple(w.quant_state.shape), base.compute_dtype)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    reason = None
+    try:
+        weight = NF4Weight.from_bnb(w.data, w.quant_state)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for rows in SELF_CHECK_ROWS:
+            x = torch.randn(rows, w.quant_state.shape[1], generator=gen).to(w.device, base.compute_dtype)
+            err = self_check_error(nf4_matmul(x, weight), reference_matmul(x, w.data, w.quant_state))
+            if not err <= tolerance:
+                reason = f"the NF4 kernel's self-check failed on {w.device}: {rows} rows differ by {err:.3g} (> {tolerance})"
+                break
+    except Exception as exc:  # a Triton build or launch error on this device: fall back, say why
+        reason = f"the NF4 kernel's self-check raised on {w.device}: {type(exc).__name__}: {str(exc)[:200]}"
+    if reason is not None:
+        warnings.warn(reason + "; decoding through bitsandbytes instead (generation.nf4_kernel: off)", stacklevel=2)
+    _CHECKED[key] = reason
+    return reason
 
 
 def wrappers_for(module: torch.nn.Module) -> list[KernelLoraForward]:
