@@ -378,12 +378,21 @@ def test_trainer_arguments_lorarl_cannot_honour_are_refused(tiny_model_dir, tmp_
 
 
 def test_a_model_object_is_taken_by_its_folder(tiny_model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other_tokenizer.name_or_path = str(tmp_path / "elsewhere")
     args = default_config(trl.DPOConfig, str(tmp_path / "dpo"))
     trainer = DPOTrainer(model, args=args, train_dataset=DATASETS["dpo"])
     assert trainer.recipe["model"]["name"] == str(tiny_model_dir)
+    same = DPOTrainer(model, ref_model=model, args=args, train_dataset=DATASETS["dpo"], processing_class=tokenizer)
+    assert same.recipe == trainer.recipe  # the reference: the same base with adapters off
+    with pytest.raises(Refused, match=r"^ref_model='other/model': lorarl's DPO reference is the policy's own base"):
+        DPOTrainer(model, ref_model="other/model", args=args, train_dataset=DATASETS["dpo"])
+    with pytest.raises(Refused, match=r"^processing_class=.*: lorarl uses the shared base's own tokenizer"):
+        DPOTrainer(model, args=args, train_dataset=DATASETS["dpo"], processing_class=other_tokenizer)
     from peft import get_peft_model
 
     with pytest.raises(LorarlError, match=r"^model: a PeftModel; lorarl loads the base once"):

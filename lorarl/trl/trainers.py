@@ -60,16 +60,14 @@ def model_name(model: Any, where: str = "model") -> str:
 
 
 def _same_model(a: str, b: str) -> bool:
+    """Whether two model names / folders are the same model (embedded names resolved to their folders)."""
     from lorarl.model.registry import resolve_model
 
     try:
-        return (
-            Path(resolve_model(a)).resolve() == Path(resolve_model(b)).resolve()
-            if Path(a).exists() or Path(b).exists()
-            else resolve_model(a) == resolve_model(b)
-        )
+        ra, rb = resolve_model(a), resolve_model(b)
     except LorarlError:
         return a == b
+    return ra == rb or (Path(ra).exists() and Path(rb).exists() and Path(ra).resolve() == Path(rb).resolve())
 
 
 def default_target_modules(name: str) -> list[str] | str:
@@ -448,9 +446,10 @@ class DPOTrainer(_Trainer):
         _refuse_given(
             data_collator=data_collator, compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers
         )
+        model = model_name(model)  # (once: a model object's notice is given here)
         if ref_model is not None:
             ref = model_name(ref_model, "ref_model")
-            if not _same_model(ref, model_name(model) if isinstance(model, (str, os.PathLike)) else ref):
+            if not _same_model(ref, model):
                 refuse(
                     "ref_model",
                     ref,
