@@ -104,3 +104,17 @@ def check_step_record(rec: dict) -> None:
     assert res["budget_gb"] == 24 and "Unsloth is not a column" in res["unsloth"]
     assert any("GRPO 4 rows x 4 new tokens" in h and "time ratio" in h for h in rec["headline"])
     assert rec["headline"][-1] == res["unsloth"]
+
+
+def test_quick_plan_keeps_every_engine_and_the_flag_is_wired(tmp_path, monkeypatch):
+    from lorarl.bench.gpu import full_settings, quick_settings
+    from lorarl.cli import main as cli_main
+
+    full, quick = full_settings(), quick_settings()
+    assert quick["step"]["trl_variants"] == full["step"]["trl_variants"] == ["trl", "trl-cb"]
+    assert (quick["step"]["models"], quick["step"]["new_tokens"]) == (["qwen2.5-1.5b"], [256])
+    assert quick["step"]["budget_gb"] == 24 and quick["step"]["prompts"] * quick["step"]["group_size"] == 64
+    assert set(quick["rollout"]["shapes"]) < set(full["rollout"]["shapes"])
+    assert quick["rollout"]["batches"] == full["rollout"]["batches"]  # every batch size, fewer repeats
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_main(["bench", "gpu", "--quick", "--part", "step", "--out", str(tmp_path)]) == 2  # no GPU: refused
