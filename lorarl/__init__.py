@@ -32,6 +32,25 @@ ignore_library_warnings()
 _API = ("train", "evaluate", "export", "load_recipe", "Run")
 
 
+def forward_calls_to_api(module_name: str, name: str) -> None:
+    """Make the submodule ``module_name`` callable as :func:`lorarl.api.<name>`.
+
+    ``lorarl.evaluate`` and ``lorarl.export`` are both submodules and functions of the Python door: once a submodule
+    is imported, Python binds the package attribute to it, so ``from lorarl import evaluate`` then gives the module.
+    Called at the end of those two modules, this makes that module object call the API function, so the import
+    works the same before and after (attribute paths such as ``lorarl.export.gguf`` still reach the submodules)."""
+    import sys
+    import types
+
+    class _CallsApi(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            from lorarl import api
+
+            return getattr(api, name)(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = _CallsApi
+
+
 def __getattr__(name: str):
     if name in _API:
         from lorarl import api

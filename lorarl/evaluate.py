@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from lorarl import forward_calls_to_api
 from lorarl.agents.step import make_step_rollout
 from lorarl.config import DataConfig, Recipe
 from lorarl.data import load_prompts
@@ -146,3 +147,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
         (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")
     return out
+
+
+# `from lorarl import evaluate` gives this module once it is imported: calling it calls lorarl.api.evaluate
+forward_calls_to_api(__name__, "evaluate")

@@ -177,6 +177,17 @@ def test_load_recipe_path_overrides_sections_match_the_cli():
     assert lorarl.train is train
 
 
+def test_evaluate_and_export_imported_after_their_submodules_are_the_api(tmp_path):
+    import lorarl.evaluate  # noqa: F401  (binds the package attributes to the submodules)
+    import lorarl.export  # noqa: F401
+    from lorarl import evaluate, export
+
+    with pytest.raises(LorarlError, match="<recipe dict>: .*algo"):
+        evaluate({"algo": "nope"})  # lorarl.api.evaluate's recipe check, through the module object
+    with pytest.raises(LorarlError, match="missing: run directory not found"):
+        export(tmp_path / "missing", tmp_path / "out", format="adapter")
+
+
 SFT_ROWS = [{"prompt": f"{a} - 1 =", "completion": f" {a - 1}"} for a in range(2, 10)]
 
 

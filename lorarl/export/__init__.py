@@ -35,6 +35,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lorarl import forward_calls_to_api
 from lorarl.errors import LorarlError
 from lorarl.export.card import model_card
 from lorarl.export.engines import KeyMap, Mapping, Unmapped, mapping_yaml, openrlhf_mapping, verl_mapping
@@ -199,3 +200,7 @@ def __getattr__(name: str) -> Any:
 
         return QUANTS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# `from lorarl import export` gives this module once it is imported: calling it calls lorarl.api.export
+forward_calls_to_api(__name__, "export")
