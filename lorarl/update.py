@@ -110,18 +110,18 @@ def optimizer_step(
     batches: Iterable[Any],
     loss_fn: LossFn,
     *,
-    max_grad_norm: float | None = None,
-    hold: Callable[[dict[str, float]], bool] | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    **options: Any,
 ) -> StepResult:
-    """:func:`one_pass` over ``batches``; with a ``scaler``, a pass whose gradients overflowed is redone at the
-    halved scale (the batch is kept: an RL step's rollout is not wasted) until one fits or the scale falls below 1
-    (then the step is skipped as non-finite). ``overflows`` in the result counts the passes redone."""
+    """:func:`one_pass` over ``batches`` (``options``: its ``max_grad_norm`` and ``hold``); with a ``scaler``, a pass
+    whose gradients overflowed is redone at the halved scale (the batch is kept: an RL step's rollout is not wasted)
+    until one fits or the scale falls below 1 (then the step is skipped as non-finite). ``overflows`` in the result
+    counts the passes redone."""
     if scaler is None:
-        return one_pass(params, optimizer, batches, loss_fn, max_grad_norm=max_grad_norm, hold=hold)
+        return one_pass(params, optimizer, batches, loss_fn, **options)
     batches, overflows = list(batches), 0
     while True:
-        result = one_pass(params, optimizer, batches, loss_fn, max_grad_norm=max_grad_norm, hold=hold, scaler=scaler)
+        result = one_pass(params, optimizer, batches, loss_fn, scaler=scaler, **options)
         if not (result.overflow and scaler.get_scale() >= 1.0):
             result.overflows = overflows
             return result

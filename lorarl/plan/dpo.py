@@ -24,13 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorarl.plan.terms import (
-    checkpoint_bytes,
-    final_hidden_bytes,
-    layer_forward_bytes,
-    scoring_logits_bytes,
-    train_logits_bytes,
-)
+from lorarl.plan.supervised import forward_backward_moments
+from lorarl.plan.terms import layer_forward_bytes, scoring_logits_bytes
 from lorarl.shapes import ModelShape
 
 if TYPE_CHECKING:
@@ -67,20 +62,6 @@ def dpo_reference_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> M
 
 
 def dpo_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:
-    """The policy's forward + backward over one micro-batch (see the module doc)."""
+    """The policy's forward + backward over one micro-batch (see the module doc): SFT's, on ``2 x`` the pairs."""
     rows, g = dpo_rows(s, z)
-    T, tok = z.seq_len, rows * z.seq_len
-    if s.gradient_checkpointing:
-        kept = {"lora_grads": 4 * z.n_policy, "checkpoints": checkpoint_bytes(shape, tok, z.dt)}
-    else:
-        kept = {"lora_grads": 4 * z.n_policy, "saved_activations": shape.num_hidden_layers * tok * z.per_layer}
-    kept["final_hidden"] = final_hidden_bytes(shape, tok, z.dt)
-    return {
-        "logits": {**kept, "logits_chunk": train_logits_bytes(shape, g, z.chunk, z.dt, False)},
-        "layer": {
-            **kept,
-            "layer_recompute": g * T * z.per_layer if s.gradient_checkpointing else 0,
-            "dequantized_weight": z.dequantized,
-            "attention_mask": 3 * g * T * T,
-        },
-    }
+    return forward_backward_moments(shape, s, z, rows, g, logits=True)

@@ -88,29 +88,15 @@ def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> Plan
     per micro-batch, rows of ``dpo.max_length`` tokens (the longest pair kept) split into a prompt of
     ``min(data.max_prompt_tokens, max_length // 2)`` tokens and the response; the held-out task evaluation
     (``dpo.task_source``) decodes ``eval.max_new_tokens`` (else ``generation.max_new_tokens``)."""
-    m, d = recipe.model, recipe.dpo if recipe.dpo is not None else DPOConfig()
-    prompt_len = min(recipe.data.max_prompt_tokens, d.max_length // 2)
-    mb = recipe.train.micro_batch_size
-    evaluates = d.task_source is not None and recipe.eval.every > 0
-    return PlanSettings(
-        algo="dpo",
-        quantization=quant,
-        dtype_bytes=dtype_bytes,
-        lora_r=recipe.lora.r,
-        lora_targets=recipe.lora.target_modules,
-        group_size=1,
-        prompts_per_step=d.batch_size,
-        prompt_len=prompt_len,
-        max_new_tokens=d.max_length - prompt_len,
-        micro_batch_size=mb if isinstance(mb, int) else 1,
-        logprob_chunk_size=m.logprob_chunk_size,
-        gradient_checkpointing=m.gradient_checkpointing,
-        reference_adapter=bool(m.init_adapter),
-        device=device_type,
-        engine=recipe.generation.engine_for(device_type),
-        cuda_graphs=recipe.generation.cuda_graphs,
-        eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if evaluates else 0,
-        eval_max_new_tokens=recipe.eval.max_new_tokens or recipe.generation.max_new_tokens,
+    d = recipe.dpo if recipe.dpo is not None else DPOConfig()
+    return _fixed_length_settings(
+        recipe,
+        device_type,
+        quant,
+        dtype_bytes,
+        section=d,
+        evaluates=d.task_source is not None and recipe.eval.every > 0,
+        reference_adapter=bool(recipe.model.init_adapter),
         max_tokens_per_forward=d.max_tokens_per_forward,
         dpo_reference=d.needs_reference,
     )
@@ -122,13 +108,30 @@ def supervised_settings(recipe, device_type: str, quant: str, dtype_bytes: int) 
     tokens (the longest the loader keeps) split into a prompt of ``min(data.max_prompt_tokens, max_length // 2)``
     tokens and the response; SFT's held-out evaluation (``eval.every``) decodes ``eval.max_new_tokens`` (else
     ``generation.max_new_tokens``), the reward model's scores pairs without generating."""
-    m, algo = recipe.model, recipe.algo
+    algo = recipe.algo
     section = getattr(recipe, algo) or (RewardModelConfig() if algo == "reward_model" else SFTConfig())
+    return _fixed_length_settings(
+        recipe,
+        device_type,
+        quant,
+        dtype_bytes,
+        section=section,
+        evaluates=algo == "sft" and recipe.eval.every > 0,
+        max_tokens_per_forward=section.max_tokens_per_forward if algo == "reward_model" else 0,
+        dpo_reference=False,
+    )
+
+
+def _fixed_length_settings(
+    recipe, device_type: str, quant: str, dtype_bytes: int, *, section, evaluates: bool, **extra
+) -> PlanSettings:
+    """What DPO, the reward model and SFT plan alike: ``section.batch_size`` rows per step of ``section.max_length``
+    tokens (a prompt of ``min(data.max_prompt_tokens, max_length // 2)`` and the response), ``train.micro_batch_size``
+    per micro-batch, the held-out evaluation's batch when it ``evaluates``; ``extra``: the algorithm's own fields."""
+    m, mb = recipe.model, recipe.train.micro_batch_size
     prompt_len = min(recipe.data.max_prompt_tokens, section.max_length // 2)
-    mb = recipe.train.micro_batch_size
-    evaluates = algo == "sft" and recipe.eval.every > 0
     return PlanSettings(
-        algo=algo,
+        algo=recipe.algo,
         quantization=quant,
         dtype_bytes=dtype_bytes,
         lora_r=recipe.lora.r,
@@ -145,8 +148,7 @@ def supervised_settings(recipe, device_type: str, quant: str, dtype_bytes: int) 
         cuda_graphs=recipe.generation.cuda_graphs,
         eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if evaluates else 0,
         eval_max_new_tokens=recipe.eval.max_new_tokens or recipe.generation.max_new_tokens,
-        max_tokens_per_forward=section.max_tokens_per_forward if algo == "reward_model" else 0,
-        dpo_reference=False,
+        **extra,
     )
 
 

@@ -48,6 +48,15 @@ def supervised_rows(s: PlanSettings, z: StepSizes) -> tuple[int, int]:
 def supervised_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:
     """The trained adapter's forward + backward over one micro-batch (see the module doc)."""
     rows, g = supervised_rows(s, z)
+    return forward_backward_moments(shape, s, z, rows, g, logits=s.algo == "sft")
+
+
+def forward_backward_moments(
+    shape: ModelShape, s: PlanSettings, z: StepSizes, rows: int, g: int, logits: bool
+) -> Moments:
+    """A forward + backward over ``rows`` rows of ``T`` tokens, ``g`` rows per length-sorted forward (SFT, the reward
+    model, DPO's policy): what it keeps for the backward, then the peak of one layer's recompute and (``logits``:
+    a language-model loss, not a score head) of one chunk of the logits."""
     T, tok = z.seq_len, rows * z.seq_len
     if s.gradient_checkpointing:
         kept = {"lora_grads": 4 * z.n_policy, "checkpoints": checkpoint_bytes(shape, tok, z.dt)}
@@ -62,6 +71,6 @@ def supervised_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes
             "attention_mask": 3 * g * T * T,
         }
     }
-    if s.algo == "sft":
+    if logits:
         moments["logits"] = {**kept, "logits_chunk": train_logits_bytes(shape, g, z.chunk, z.dt, False)}
     return moments
