@@ -70,14 +70,13 @@ def cuda_budget_bytes(device: torch.device) -> int:
 
 def resolve_quantization(cfg: ModelConfig, device: torch.device, path=None, say: bool = False) -> str:
     """``model.quantization`` on ``device``; ``auto`` by :func:`choose_quantization` (``path``: the resolved model
-    folder; ``say``: print the one line saying which and why)."""
+    folder; ``say``: on CUDA, where the choice depends on the model, print the one line saying which and why)."""
     if cfg.quantization != "auto":
         return cfg.quantization
     if device.type != "cuda":
-        quant, why = choose_quantization(None, None, device.type)
-    else:
-        weights = bf16_weight_bytes(path if path is not None else resolve_model(cfg.name))
-        quant, why = choose_quantization(weights, cuda_budget_bytes(device), device.type)
+        return choose_quantization(None, None, device.type)[0]  # (full precision, as always: nothing to say)
+    weights = bf16_weight_bytes(path if path is not None else resolve_model(cfg.name))
+    quant, why = choose_quantization(weights, cuda_budget_bytes(device), device.type)
     if say:
         print(f"[lorarl] model.quantization auto -> {'nf4' if quant == 'nf4' else 'none'}: {why}", file=sys.stderr)
     return quant
