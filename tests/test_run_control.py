@@ -449,7 +449,9 @@ def test_cli_train_stops_on_sigterm_with_exit_0_and_a_checkpoint(tiny_model_dir,
     state = runstate.read_state(out)
     assert (state["state"], state["step"], state["last_step"]) == ("stopped", step, 200)
     assert not (out / "train.pid").exists() and not (out / "policy").exists()
-    assert "stop requested: checkpoint saved" in stdout
+    # the SIGTERM lands after a step, or while the next one generates (that step abandoned: tests/test_stop_generation.py)
+    abandoned = f"step {step + 1}: stop requested during generation: step abandoned; checkpoint of step {step};"
+    assert "stop requested: checkpoint saved" in stdout or abandoned in stdout
     assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 1))
 
     # resumed, then killed without a word: the state file still says running; read_state says crashed

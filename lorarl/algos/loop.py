@@ -14,7 +14,8 @@
 Run control (:mod:`lorarl.runstate`): ``train.pid`` names the training process while it runs, ``state.json`` says
 ``running`` / ``stopped`` / ``finished`` / ``crashed`` and the step. SIGTERM (``lorarl.runstate.request_stop``, the
 workbench's Stop) ends the run after the current step with a checkpoint of it and state ``stopped``; ``--resume``
-continues it bit-identically.
+continues it bit-identically. A SIGTERM while the step generates ends the generation within a token and abandons
+the step: the run stops at the step before it, and ``--resume`` runs the abandoned step again.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ from lorarl.metrics import MetricsLogger, check_trackers, plot_metrics
 from lorarl.model import SharedBase
 from lorarl.model.host_memory import release_freed_tensors
 from lorarl.phases import phase, recording
+from lorarl.plan.bounds import check_planned_memory
 from lorarl.rollout.fast import engine_metrics
 from lorarl.runs import latest_checkpoint
 from lorarl.runstate import (
     CompletionsLog,
+    StepAbandoned,
     StopRequest,
     check_not_live,
     clear_pid,
@@ -159,11 +162,14 @@ def peak_memory_gb(device: torch.device) -> float:
         return float("nan")
 
 
-def save(run_dir: Path, algo: Algorithm, shared: SharedBase, loop: LoopState, recipe: Recipe) -> Path:
-    """A step checkpoint of everything the next step needs (atomic; see :mod:`lorarl.checkpoint`)."""
+def save(
+    run_dir: Path, algo: Algorithm, shared: SharedBase, loop: LoopState, recipe: Recipe, algo_state: dict | None = None
+) -> Path:
+    """A step checkpoint of everything the next step needs (atomic; see :mod:`lorarl.checkpoint`); ``algo_state``
+    stands for ``algo.state_dict()`` (an abandoned step's saves the one taken before that step)."""
     from lorarl.checkpoint import save_checkpoint
 
-    state = {"loop": asdict(loop), "algo": algo.state_dict()}
+    state = {"loop": asdict(loop), "algo": algo.state_dict() if algo_state is None else algo_state}
     return save_checkpoint(
         run_dir,
         loop.step,
@@ -211,11 +217,41 @@ def after_step(step: int, row: dict, ctx: dict) -> bool:
     return evaluated
 
 
+def unsaved_state(algo: Algorithm) -> tuple[dict, dict]:
+    """What a checkpoint of the last complete step needs besides the adapters and optimizers, which a step leaves
+    alone until its update: the RNG states and a copy of the algorithm's state (taken before a step, for
+    :func:`abandon_step`)."""
+    import copy
+
+    from lorarl.checkpoint import rng_state
+
+    return rng_state(), copy.deepcopy(algo.state_dict())
+
+
+def abandon_step(ctx: dict, step: int, saved_step: int, before: tuple[dict, dict] | None) -> None:
+    """A stop request ended step ``step``'s generation (:class:`lorarl.runstate.StepAbandoned`): nothing trained on
+    its partial rollout, nothing of it is logged or saved. The steps done since the newest checkpoint
+    (``saved_step``) are saved as they were when step ``step`` began (``before``: :func:`unsaved_state`), so
+    ``--resume`` runs step ``step`` again from the same RNGs and state, bit-identically."""
+    from tqdm.auto import tqdm
+
+    from lorarl.checkpoint import set_rng_state
+
+    loop = ctx["loop"]
+    if loop.step > saved_step and before is not None:
+        rng, algo_state = before
+        set_rng_state(rng)
+        save(ctx["run_dir"], ctx["algo"], ctx["shared"], loop, ctx["recipe"], algo_state=algo_state)
+    kept = f"checkpoint of step {loop.step}" if loop.step else "no step done"
+    tqdm.write(f"step {step}: stop requested during generation: step abandoned; {kept}; `--resume` continues")
+
+
 def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict], bool]:
     """Step 4: the steps after ``start_step`` through ``ctx["last_step"]``; each logged (``metrics.jsonl``, a few
     completions in ``completions.jsonl``), checkpointed every ``train.save_every``, and ``state.json`` updated.
     A stop request (SIGTERM) ends the loop after the current step with a checkpoint of it, unless it was the last
-    step. Returns the rows of this run's steps and whether it stopped early."""
+    step; one that comes while the step generates ends the generation and abandons the step (:func:`abandon_step`).
+    Returns the rows of this run's steps and whether it stopped early."""
     from tqdm.auto import tqdm
 
     recipe, algo, loop, shared, run_dir = ctx["recipe"], ctx["algo"], ctx["loop"], ctx["shared"], ctx["run_dir"]
@@ -228,10 +264,15 @@ def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict]
                 save(run_dir, algo, shared, loop, recipe)
                 tqdm.write(f"step {loop.step}: stop requested: checkpoint saved; `lorarl train --resume` continues")
             return history, True
+        before = unsaved_state(algo) if loop.step > saved_step else None  # saved if this step is abandoned
         t0, cpu0 = time.perf_counter(), time.process_time()
         torch.manual_seed(step_seed(recipe.train.seed, step))
-        with recording() as phases:
-            row = algo.step(algo.batch(step))
+        try:
+            with recording() as phases, stop.observed():  # the rollout engines watch the flag while generating
+                row = algo.step(algo.batch(step))
+        except StepAbandoned:
+            abandon_step(ctx, step, saved_step, before)
+            return history, True
         step_time = time.perf_counter() - t0
         row.update({f"time/{name}": seconds for name, seconds in phases.seconds.items()})
         row["step_time"] = step_time
@@ -281,6 +322,7 @@ def train(
     t_start = time.perf_counter()
     check_trackers(recipe.train.report_to)  # a tracker that is not installed fails before the model loads
     check_not_live(out_dir)  # another process is training this folder
+    check_planned_memory(recipe)  # sizes that multiply past this machine (the planner, no weights read)
     run_dir = start_run(recipe, out_dir)
     write_pid(run_dir)
     try:

@@ -30,6 +30,7 @@ from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
 from lorarl.model.tokens import pad_left, position_ids
 from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
+from lorarl.runstate import abandon_if_stopped, observed_stop
 
 
 @dataclass
@@ -68,6 +69,18 @@ class Engine(Protocol):
 
 
 @torch.no_grad()
+def stop_criteria() -> dict:
+    """``generate``'s ``stopping_criteria`` for the stop flag a training step observes
+    (:func:`lorarl.runstate.observed_stop`): every row ends at the next token once a stop is requested. Empty
+    outside a training step."""
+    watched = observed_stop()
+    if watched is None:
+        return {}
+    from lorarl.chat.streaming import stopping_criteria
+
+    return {"stopping_criteria": stopping_criteria(watched)}
+
+
 def prefill_cache(shared: SharedBase, input_ids: Tensor, attention_mask: Tensor):
     """Run prompts ``[M, P']`` through the active role's decoder once (no logits) -> a ``DynamicCache`` of their
     keys / values, with the same position ids ``generate`` uses for left-padded rows."""
@@ -163,9 +176,13 @@ class HFEngine(ReusesKV):
         columns, or None) -> the new tokens ``[n, T]``; inside a reuse scope the rows' real tokens are kept."""
         dev, W = shared.device, ids.shape[1]
         extra = cache_arg(cache) if cache is not None else {}
+        extra.update(stop_criteria())  # a stop request ends the call at the next token, and the step is abandoned
         if self.prefix_kv is None:
-            return shared.generate(ids.to(dev), mask.long().to(dev), **extra, **kwargs)[:, W:]
+            new = shared.generate(ids.to(dev), mask.long().to(dev), **extra, **kwargs)[:, W:]
+            abandon_if_stopped()
+            return new
         out = shared.generate(ids.to(dev), mask.long().to(dev), **extra, **kwargs, return_dict_in_generate=True)
+        abandon_if_stopped()
         new = out.sequences[:, W:]
         kept = output_cache(out)
         columns = fed_columns(mask.bool(), new, kept.get_seq_length() - W, shared.eos_ids)

@@ -8,7 +8,9 @@ For each batch of rows (all rows, or ``batch_size`` at a time) :class:`FastEngin
    own decoder layers (PEFT LoRA wrappers, unmerged, on the 4-bit or full-precision base) on one token per row,
    tokens drawn on the device (:mod:`~lorarl.rollout.fast.sampling`), finished rows decoding into padding;
 3. reads on the host only every ``k`` steps whether every row has ended (``generation.eos_check_every`` on CUDA;
-   every step on CPU, where the read costs nothing), and stops then.
+   every step on CPU, where the read costs nothing), and stops then. Before every step it reads the training
+   step's stop flag (:func:`lorarl.runstate.abandon_if_stopped`, a Python attribute): a SIGTERM ends the decode
+   within a token and abandons the step.
 
 On CUDA with ``generation.cuda_graphs`` the step is captured once per shape, adapter state and sampler, and
 replayed (:mod:`~lorarl.rollout.fast.graphs`); the cache and the captured steps are kept between rollouts. On CPU
@@ -33,6 +35,7 @@ from lorarl.rollout.fast.graphs import pool_for
 from lorarl.rollout.fast.sampling import SamplerSettings, cache_length
 from lorarl.rollout.fast.state import DecodeState, cache_layers, prefill, unique_prompts
 from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
+from lorarl.runstate import abandon_if_stopped
 
 if TYPE_CHECKING:
     from lorarl.config import GenerationConfig
@@ -200,6 +203,7 @@ class FastEngine(ReusesKV):
         while done < new_tokens:
             if done % every == 0 and not bool(state.unfinished.any()):
                 break
+            abandon_if_stopped()  # a training step's stop request (a host flag: no device sync): the step is abandoned
             run()
             done += 1
         self.steps_run += done
