@@ -125,17 +125,10 @@ def load_tool_sft(recipe, tokenizer, eos_ids: list[int], end_id: int, max_length
     cfg = recipe.data
     agent = build_agent(recipe.agent, tokenizer, eos_ids, recipe.source_path, system_prompt=cfg.system_prompt)
     if cfg.source == "arithmetic":
+        from lorarl.tasks.arithmetic import task_options
         from lorarl.tasks.tool_traces import make_tool_traces
 
-        a = cfg.arithmetic
-        rows = make_tool_traces(
-            cfg.train_size,
-            seed=cfg.seed,
-            operations=a.operations,
-            digits=a.digits,
-            digits_b=a.digits_b,
-            template=a.prompt_template,
-        )
+        rows = make_tool_traces(cfg.train_size, **task_options(cfg))
         where = f"arithmetic tool traces ({cfg.train_size} rows, seed {cfg.seed})"
     else:
         rows, where = read_rows(cfg, "train", recipe_path=recipe.source_path)

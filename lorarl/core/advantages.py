@@ -162,14 +162,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     Example (``gamma = lam = 1``, one row, all valid): ``r = [0, 0, 1]``, ``V = [0.5, 0.6, 0.7]`` ->
     ``delta = [0.1, 0.1, 0.3]``, ``A = [0.5, 0.4, 0.3]``, ``returns = [1, 1, 1]``.
     """
-    if rewards.shape != values.shape or rewards.dim() != 2:
-        raise ValueError(
-            f"rewards and values must both be [B, T], got {tuple(rewards.shape)} and {tuple(values.shape)}"
-        )
-    m = torch.broadcast_to(_bool(mask), rewards.shape)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    r = torch.where(m, rewards.detach(), zero)
-    v = torch.where(m, values.detach(), zero)  # V = 0 at and after the end of each row
+    m, zero, r, v = _gae_inputs(rewards, values, mask)  # V = 0 at and after the end of each row
     T = r.shape[1]
     next_adv = torch.zeros_like(v[:, 0])  # [B]
     next_value = torch.zeros_like(v[:, 0])  # [B]
@@ -183,6 +176,18 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     advantages = torch.stack(advs[::-1], dim=1)  # [B, T]
     returns = torch.where(m, advantages + v, zero)
     return advantages, returns
+
+
+def _gae_inputs(rewards: Tensor, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """GAE's inputs checked and masked: ``(mask [B, T] bool, a 0-d zero, rewards, values)``, the last two detached
+    and 0 outside the mask (where they are never read: they may be NaN)."""
+    if rewards.shape != values.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards and values must both be [B, T], got {tuple(rewards.shape)} and {tuple(values.shape)}"
+        )
+    m = torch.broadcast_to(_bool(mask), rewards.shape)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return m, zero, torch.where(m, rewards.detach(), zero), torch.where(m, values.detach(), zero)
 
 
 def gae_skipping(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
@@ -203,14 +208,7 @@ def gae_skipping(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, la
     Example (``gamma = lam = 1``): ``r = [0, x, 0, 1]``, ``V = [0.5, x, 0.6, 0.7]``, ``mask = [1, 0, 1, 1]``
     -> ``delta = [0.1, 0, 0.1, 0.3]``, ``A = [0.5, 0, 0.4, 0.3]``, ``returns = [1, 0, 1, 1]``.
     """
-    if rewards.shape != values.shape or rewards.dim() != 2:
-        raise ValueError(
-            f"rewards and values must both be [B, T], got {tuple(rewards.shape)} and {tuple(values.shape)}"
-        )
-    m = torch.broadcast_to(_bool(mask), rewards.shape)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    r = torch.where(m, rewards.detach(), zero)
-    v = torch.where(m, values.detach(), zero)
+    m, zero, r, v = _gae_inputs(rewards, values, mask)
     next_adv = torch.zeros_like(v[:, 0])  # [B] A of the next model token (0 after the last)
     next_value = torch.zeros_like(v[:, 0])  # [B] V of the next model token (0 after the last: terminal)
     advs: list[Tensor] = []

@@ -77,19 +77,10 @@ def source_rows(
     whole = split == "eval" and bool(cfg.eval_source)
     source = cfg.eval_source if whole else cfg.source
     if source == "arithmetic":
-        from lorarl.tasks.arithmetic import make_problems
+        from lorarl.tasks.arithmetic import make_problems, task_options
 
         n = size or (cfg.train_size if split == "train" else cfg.eval_size)
-        a = cfg.arithmetic
-        rows = make_problems(
-            split,
-            n,
-            seed=cfg.seed,
-            operations=a.operations,
-            digits=a.digits,
-            digits_b=a.digits_b,
-            template=a.prompt_template,
-        )
+        rows = make_problems(split, n, **task_options(cfg))
         return rows, f"arithmetic ({split}, {n} rows, seed {cfg.seed})"
     rows, where = read_data_source(cfg, source, split, recipe_path=recipe_path, whole=whole)
     if rows is None:

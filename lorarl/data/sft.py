@@ -100,17 +100,9 @@ def read_sft_rows(cfg: DataConfig, recipe_path: str | None = None) -> tuple[list
     for ``arithmetic``, else the training split of whatever :func:`lorarl.data.read_rows` reads (files, folders, hub
     datasets; ``data.columns`` maps other column names to ``prompt`` / ``completion`` / ``messages``)."""
     if cfg.source == "arithmetic":
-        from lorarl.tasks.arithmetic import make_worked_examples
+        from lorarl.tasks.arithmetic import make_worked_examples, task_options
 
-        a = cfg.arithmetic
-        rows = make_worked_examples(
-            cfg.train_size,
-            seed=cfg.seed,
-            operations=a.operations,
-            digits=a.digits,
-            digits_b=a.digits_b,
-            template=a.prompt_template,
-        )
+        rows = make_worked_examples(cfg.train_size, **task_options(cfg))
         return rows, f"arithmetic worked solutions ({cfg.train_size} rows, seed {cfg.seed})"
     return read_rows(cfg, "train", recipe_path=recipe_path)
 

@@ -30,6 +30,20 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 Split = Literal["train", "eval"]
 
 
+def task_options(data) -> dict:
+    """The keywords every arithmetic row maker takes (:func:`make_problems`, :func:`make_worked_examples`,
+    :func:`lorarl.tasks.tool_traces.make_tool_traces`), from a recipe's ``data`` section: ``data.seed`` and
+    ``data.arithmetic``'s ``operations``, ``digits``, ``digits_b`` and ``prompt_template``."""
+    a = data.arithmetic
+    return {
+        "seed": data.seed,
+        "operations": a.operations,
+        "digits": a.digits,
+        "digits_b": a.digits_b,
+        "template": a.prompt_template,
+    }
+
+
 def split_of(a: int, op: str, b: int, seed: int) -> Split:
     """The split problem ``(a, op, b)`` belongs to under ``seed`` (a stable hash: the same on every machine)."""
     h = hashlib.sha256(f"{seed}:{a}{op}{b}".encode()).digest()
