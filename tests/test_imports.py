@@ -11,6 +11,7 @@ edge: Python imports every ancestor of a module before the module itself, whatev
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "lorarl"
@@ -45,6 +46,7 @@ def imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, m
     return out
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     modules = module_files()
     graph = {}
