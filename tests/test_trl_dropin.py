@@ -452,3 +452,36 @@ def test_grpo_trains_scores_with_the_users_function_evaluates_and_saves(tiny_mod
     assert (config["r"], config["lora_alpha"]) == (4, 8) and (
         tmp_path / "saved" / "adapter_model.safetensors"
     ).is_file()
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's default
+def test_grpo_takes_tools_as_trl_does(terse_model_dir, tmp_path):
+    """tools= as TRL's GRPOTrainer takes them: the run's agent section names the tool, max_tool_calling_iterations
+    + 1 model turns; a step runs (the terse model answers at once: no call is made)."""
+    import yaml
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "run"), bf16=False, max_steps=1, num_generations=2, per_device_train_batch_size=2,
+        max_completion_length=8, max_tool_calling_iterations=2, report_to="none",
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(terse_model_dir),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=[{"prompt": [USER]}] * 2,
+        tools=[multiply],
+    )
+    trainer.train()
+    agent = yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["agent"]
+    assert agent["max_turns"] == 3 and len(agent["tools"]) == 1 and "multiply" in agent["tools"][0]
+    assert trainer.state.global_step == 1
