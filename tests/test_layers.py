@@ -20,8 +20,10 @@ LAYERS = {
     "config": 0,
     "phases": 0,
     "sandbox": 0,
+    "shapes": 0,  # the model shapes table (the planner, the benchmarks and the loader read it)
     # 1: the shared base and its roles
     "model": 1,
+    "kernels": 1,  # hand-written GPU kernels the fast engine puts in front of the base's layers
     # 2: runtime: data, rewards, rollouts, checkpoints, metrics, evaluation, memory planning
     "tasks": 2,
     "data": 2,
@@ -47,6 +49,7 @@ LAYERS = {
     "doctor": 4,
     "env_report": 4,
     "api": 4,
+    "trl": 4,  # TRL's trainer classes over the Python API
     "cli": 5,
 }
 

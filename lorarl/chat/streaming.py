@@ -3,11 +3,11 @@ every row incrementally (so all panes stream together), and a stopping criterion
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
+
+from lorarl.model.sampling import StopFlag, stopping_criteria  # noqa: F401  (the Stop button's criterion)
 
 
 def render_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -16,26 +16,6 @@ def render_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool =
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant:" if add_generation_prompt else "")
-
-
-class StopFlag:
-    """A stopping criterion that ends every row once ``event`` is set (the Stop button)."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
-def stopping_criteria(event: threading.Event):
-    """A ``StoppingCriteriaList`` holding a :class:`StopFlag` for ``event`` (transformers is imported only here)."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class _Stop(StopFlag, StoppingCriteria):
-        pass
-
-    return StoppingCriteriaList([_Stop(event)])
 
 
 class PaneStreamer:

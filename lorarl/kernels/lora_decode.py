@@ -158,7 +158,9 @@ def self_check(base: torch.nn.Module, tolerance: float = 2e-2) -> str | None:
             x = torch.randn(rows, w.quant_state.shape[1], generator=gen).to(w.device, base.compute_dtype)
             err = self_check_error(nf4_matmul(x, weight), reference_matmul(x, w.data, w.quant_state))
             if not err <= tolerance:
-                reason = f"the NF4 kernel's self-check failed on {w.device}: {rows} rows differ by {err:.3g} (> {tolerance})"
+                reason = (
+                    f"the NF4 kernel's self-check failed on {w.device}: {rows} rows differ by {err:.3g} (> {tolerance})"
+                )
                 break
     except Exception as exc:  # a Triton build or launch error on this device: fall back, say why
         reason = f"the NF4 kernel's self-check raised on {w.device}: {type(exc).__name__}: {str(exc)[:200]}"

@@ -15,7 +15,12 @@ check names the key) and allowed for evaluation and chat.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import threading
+
+    import torch
 
 # Fields that add a logits processor or warper when set; their neutral value. Passing them explicitly means a
 # model folder's generation config cannot switch them on.
@@ -191,3 +196,26 @@ def generation_kwargs(
         pad_id=pad_id,
         recorder=recorder,
     )
+
+
+class StopFlag:
+    """A stopping criterion that ends every row once ``event`` is set (the chat's Stop button, a training step's
+    SIGTERM flag: :func:`lorarl.rollout.engines.stop_criteria`)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs) -> torch.Tensor:
+        import torch
+
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def stopping_criteria(event: threading.Event):
+    """A ``StoppingCriteriaList`` holding a :class:`StopFlag` for ``event`` (transformers is imported only here)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Stop(StopFlag, StoppingCriteria):
+        pass
+
+    return StoppingCriteriaList([_Stop(event)])

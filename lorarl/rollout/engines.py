@@ -76,7 +76,7 @@ def stop_criteria() -> dict:
     watched = observed_stop()
     if watched is None:
         return {}
-    from lorarl.chat.streaming import stopping_criteria
+    from lorarl.model.sampling import stopping_criteria
 
     return {"stopping_criteria": stopping_criteria(watched)}
 
