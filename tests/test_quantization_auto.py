@@ -76,3 +76,14 @@ def test_known_models_on_24_and_80_gb(name):
     expect = {"smollm2-135m": ("none", "none"), "qwen2.5-1.5b": ("nf4", "none"), "llama-3.1-8b": ("nf4", "nf4")}
     got = (choose_quantization(w, 24 * GB, "cuda")[0], choose_quantization(w, 80 * GB, "cuda")[0])
     assert got == expect[name], (name, w)
+
+
+def test_the_planner_resolves_auto_as_the_loader_does():
+    """``lorarl plan --budget-gb 24`` plans what the loader would load on a 24 GB card: the quickstart's
+    SmolLM2-135M (0.27 GB of bf16 weights, 1.1%) in bf16, the GSM8K recipe's Qwen2.5-1.5B (3.09 GB, 12.9%) in NF4;
+    on 80 GB the 1.5B is bf16 too (3.9%); on the CPU full precision."""
+    from lorarl.plan.recipes import plan_recipe
+
+    assert plan_recipe("recipes/grpo_arithmetic.yaml", 24.0)["settings"]["quantization"] == "none"
+    assert plan_recipe("recipes/grpo_gsm8k.yaml", 24.0)["settings"]["quantization"] == "nf4"
+    assert plan_recipe("recipes/grpo_gsm8k.yaml", 80.0)["settings"]["quantization"] == "none"

@@ -289,11 +289,15 @@ def plan_line(path: str | os.PathLike, overrides: list[str] | None = None, budge
         shape = recipe_model_shape(recipe)
     except LorarlError as e:
         return f"plan: {e}"
-    s = recipe_settings(recipe, device_type="cuda" if cuda else "cpu")
-    mb = recipe.train.micro_batch_size
+    budget = None
     if cuda:
         props = torch.cuda.get_device_properties(0)
         budget = budget_gb if budget_gb is not None else props.total_memory / GB
+    s = recipe_settings(
+        recipe, device_type="cuda" if cuda else "cpu", shape=shape, budget_bytes=budget * GB if budget else None
+    )
+    mb = recipe.train.micro_batch_size
+    if cuda:
         pick = pick_micro_batch(shape, budget, s)
         est = pick["estimate"] if mb == "auto" else estimate_memory(shape, s, micro_batch_size=int(mb))
         total = est["peak_total_bytes"] / GB

@@ -24,13 +24,22 @@ CPU_DEFAULT_MICRO_BATCH = 8
 PLANNED_RECIPES = (*PLANNED_ALGOS, "online_dpo")
 
 
-def recipe_settings(recipe, *, device_type: str = "cuda") -> PlanSettings:
+def recipe_settings(
+    recipe, *, device_type: str = "cuda", shape: ModelShape | None = None, budget_bytes: float | None = None
+) -> PlanSettings:
     """The planner's view of a :class:`lorarl.config.Recipe` on ``device_type`` (``auto`` quantization and
-    dtype resolve as the loader does: NF4 + bf16 on CUDA, none + fp32 on CPU). Prompt length is
+    dtype resolve as the loader does: on CUDA :func:`lorarl.model.loading.choose_quantization` of the model's bf16
+    weights (``shape``) against ``budget_bytes``, so bf16 for a model that is a small share of the budget and NF4
+    otherwise or when either is unknown, with bf16 compute; none + fp32 on CPU). Prompt length is
     ``data.max_prompt_tokens`` (the longest prompt the data loader keeps), or at most
     :data:`ARITHMETIC_PROMPT_TOKENS` for the built-in arithmetic task."""
     m = recipe.model
-    quant = m.quantization if m.quantization != "auto" else ("nf4" if device_type == "cuda" else "none")
+    quant = m.quantization
+    if quant == "auto":
+        from lorarl.model.loading import choose_quantization
+
+        weights = 2 * shape.num_params() if shape is not None else None
+        quant = choose_quantization(weights, budget_bytes, device_type)[0]
     if m.dtype == "auto":
         dtype_bytes = 2 if device_type == "cuda" else 4
     else:
@@ -185,7 +194,7 @@ def plan_recipe(
 
     recipe = load_recipe(recipe_path, overrides or [])
     shape = recipe_model_shape(recipe, model_config)
-    s = recipe_settings(recipe)
+    s = recipe_settings(recipe, shape=shape, budget_bytes=budget_gb * GB)
     pick = pick_micro_batch(shape, budget_gb, s)
     as_written = recipe.train.micro_batch_size
     est = pick["estimate"] if as_written == "auto" else estimate_memory(shape, s, micro_batch_size=int(as_written))
@@ -277,16 +286,16 @@ def resolve_micro_batch(recipe, device_type: str | None = None, budget_gb: float
     mb = recipe.train.micro_batch_size
     if mb != "auto":
         return int(mb)
-    s = recipe_settings(recipe, device_type=device_type or "cuda")
     if device_type is None:
         import torch
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type != "cuda":
-        return max(1, min(CPU_DEFAULT_MICRO_BATCH, s.split_rows))
+        return max(1, min(CPU_DEFAULT_MICRO_BATCH, recipe_settings(recipe, device_type=device_type).split_rows))
     if budget_gb is None:
         import torch
 
         budget_gb = torch.cuda.get_device_properties(0).total_memory / GB
     shape = recipe_model_shape(recipe)
+    s = recipe_settings(recipe, device_type="cuda", shape=shape, budget_bytes=budget_gb * GB)
     return int(pick_micro_batch(shape, budget_gb, s)["micro_batch_size"])
