@@ -49,13 +49,13 @@ import sys
 import time
 from pathlib import Path
 
+from lorarl.bench.plan_report import compare, format_table, max_abs_error
 from lorarl.errors import LorarlError
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.1-8b", "qwen2.5-7b", "mistral-7b"]
 # the step's phases (lorarl.phases) compared with the planner, in step order; a training phase holds its optimizer
 COMPARED = ("generation", "scoring", "training", "critic_training")
-PHASE_COMPARE = {"training": ("training", "optimizer"), "critic_training": ("critic_training", "optimizer")}
 
 
 def log(msg: str) -> None:
@@ -284,33 +284,6 @@ def worker(args) -> dict:
     return result
 
 
-def compare(est: dict, measured: dict, extra: dict[str, dict] | None = None) -> dict:
-    """Predicted vs measured per phase (ratio = predicted / measured), with each phase's ``extra`` figures
-    (seconds; on CUDA reserved and device-level bytes). A training phase includes its optimizer step, so it is
-    compared with the larger of the two predictions."""
-    rows = {}
-    for phase, peak in measured["phases"].items():
-        keys = PHASE_COMPARE.get(phase, (phase,))
-        preds = [est["phases"][k] for k in keys if k in est["phases"]]
-        pred = max(preds) if preds else None
-        rows[phase] = {
-            "predicted": pred,
-            "measured": peak,
-            "ratio": round(pred / peak, 4) if pred and peak else None,
-            "moment": est["moments"].get(phase),
-            **(extra or {}).get(phase, {}),
-        }
-    used = [r["device_used_now"] for r in rows.values() if "device_used_now" in r and not r.get("shared_gpu")]
-    device = {}
-    if used:  # whole-device use (context + everything the allocator holds) vs the planner's budget figure
-        device = {
-            "predicted_total": est["peak_total_bytes"],
-            "measured_device_used": max(used),
-            "ratio": round(est["peak_total_bytes"] / max(used), 4),
-        }
-    return {"phases": rows, "device": device, "estimate": est, "measured": measured}
-
-
 # ---- the driver --------------------------------------------------------------------------------------------
 def run_all(args) -> dict:
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
@@ -378,42 +351,6 @@ def run_all(args) -> dict:
     if failures:
         log(f"FAILED: {failures}")
     return summary
-
-
-def max_abs_error(results: list[dict]) -> float | None:
-    errs = [
-        abs(r["ratio"] - 1)
-        for res in results
-        for run in res["runs"].values()
-        for r in run["phases"].values()
-        if r["ratio"] is not None
-    ]
-    return round(max(errs), 4) if errs else None
-
-
-def format_table(results: list[dict]) -> str:
-    lines = [
-        "| model | algo | phase (peak moment) | predicted GiB | measured GiB | predicted / measured | phase s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for res in results:
-        for algo, run in res["runs"].items():
-            for phase, r in run["phases"].items():
-                pred = f"{r['predicted'] / 2**30:.2f}" if r["predicted"] else "-"
-                meas = f"{r['measured'] / 2**30:.2f}"
-                ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
-                secs = f"{r['seconds']:.1f}" if "seconds" in r else "-"
-                lines.append(
-                    f"| {res['model']} | {algo} | {phase} ({r.get('moment')}) | {pred} | {meas} | {ratio} | {secs} |"
-                )
-            dev = run.get("device") or {}
-            if dev:
-                lines.append(
-                    f"| {res['model']} | {algo} | device total (context + allocator) | "
-                    f"{dev['predicted_total'] / 2**30:.2f} | {dev['measured_device_used'] / 2**30:.2f} | "
-                    f"{dev['ratio']:.3f} | - |"
-                )
-    return "\n".join(lines)
 
 
 _FORWARDED = [

@@ -50,6 +50,8 @@ class Engine(Protocol):
 
     name: str
 
+    # the Engine protocol's signature, written out in every engine on purpose: a Protocol's method and its
+    # implementations cannot share one def, and each engine's parameters must read as the protocol's
     def sample(
         self,
         shared: SharedBase,
@@ -104,6 +106,8 @@ class HFEngine(ReusesKV):
 
     name = "hf"
 
+    # the Engine protocol's signature, written out in every engine on purpose: a Protocol's method and its
+    # implementations cannot share one def, and each engine's parameters must read as the protocol's
     def sample(
         self,
         shared: SharedBase,

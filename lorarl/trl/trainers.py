@@ -188,6 +188,8 @@ class _Trainer:
     adapter = "policy"  # the trained adapter's folder in the run
 
     def __init__(
+        # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
+        # order, so each trainer writes its signature out rather than sharing one
         self,
         model: Any,
         args: Any,
@@ -334,6 +336,8 @@ class GRPOTrainer(_Trainer):
     config_name, algo, suffix = "GRPOConfig", "grpo", "GRPO"
 
     def __init__(
+        # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
+        # order, so each trainer writes its signature out rather than sharing one
         self,
         model: Any,
         reward_funcs: Any = None,
@@ -429,6 +433,8 @@ class DPOTrainer(_Trainer):
     config_name, algo, suffix = "DPOConfig", "dpo", "DPO"
 
     def __init__(
+        # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
+        # order, so each trainer writes its signature out rather than sharing one
         self,
         model: Any,
         ref_model: Any = None,
@@ -461,6 +467,8 @@ class DPOTrainer(_Trainer):
 
 class _SupervisedTrainer(_Trainer):
     def __init__(
+        # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
+        # order, so each trainer writes its signature out rather than sharing one
         self,
         model: Any,
         args: Any = None,
@@ -496,6 +504,8 @@ class SFTTrainer(_SupervisedTrainer):
     config_name, algo, suffix = "SFTConfig", "sft", "SFT"
 
     def __init__(
+        # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
+        # order, so each trainer writes its signature out rather than sharing one
         self,
         model: Any,
         args: Any = None,

@@ -145,6 +145,7 @@ def rows_paragraph(h: HandOff) -> str:
     )
 
 
+# one Engine record per hand-off target (verl's beside it has the same fields with its own values)
 OPENRLHF = Engine(
     name="openrlhf",
     title="OpenRLHF",

@@ -129,6 +129,8 @@ def rows_paragraph(h: HandOff) -> str:
     )
 
 
+# the same Engine record as OPENRLHF's, field by field: one record per hand-off target is the registry's data,
+# its values differ where the engines do (data format, launcher, chat-only, reward label, extra files)
 VERL = Engine(
     name="verl",
     title="verl",

@@ -114,6 +114,8 @@ class FastEngine(ReusesKV):
         self.nf4_kernel = nf4_kernel
         self.kernel_reason: str | None = "not run yet"
 
+    # the Engine protocol's signature, written out in every engine on purpose: a Protocol's method and its
+    # implementations cannot share one def, and each engine's parameters must read as the protocol's
     def sample(
         self,
         shared: SharedBase,
