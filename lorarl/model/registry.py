@@ -103,9 +103,17 @@ def convert_embedded(name: str, force: bool = False) -> Path:
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
         )
         gen.save_pretrained(tmp)
+        if (dest / "config.json").is_file() and not force:
+            shutil.rmtree(tmp)  # another process (a parallel test worker, a second terminal) finished first
+            return dest
         if dest.exists():
             shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp)  # lost the race to another process's finished folder
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

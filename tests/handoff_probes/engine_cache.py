@@ -102,7 +102,12 @@ def engine_site(pins: list[str]) -> Path:
         if site.exists():  # another session finished first
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, site)
+            try:
+                os.replace(tmp, site)
+            except OSError:  # another process (a parallel test worker) finished between the check and here
+                if not site.exists():
+                    raise
+                shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
