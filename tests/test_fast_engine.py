@@ -353,6 +353,32 @@ def test_captured_step_bookkeeping_on_cpu(policy_shared, monkeypatch):
     assert len(fast_graphs.pool_for(sb).states) == 0
 
 
+@pytest.mark.parametrize("keep,pool_keep,kept", [(False, True, False), ("auto", False, False), ("auto", True, True)])
+def test_keep_cache_false_frees_the_decode_state_after_each_rollout(policy_shared, monkeypatch, keep, pool_keep, kept):
+    """``generation.keep_cache`` false (or ``auto`` resolved false for this base by the run loop): after each
+    rollout the pool holds no decode state and no captured step, so the next rollout captures again; the tokens
+    are the eager path's either way and the capture counters outlive the clear."""
+    sb = policy_shared
+    gen = GenerationConfig(max_new_tokens=8, keep_cache=keep)
+    prompts = _prompts(sb, TEXTS)
+    with sb.role("policy"):
+        eager = FastEngine(cuda_graphs=False).sample(sb, prompts, 2, gen, greedy=True).completion_ids
+    monkeypatch.setattr(FastEngine, "_graphs_on", lambda self, shared, generation: True)
+    monkeypatch.setattr(fast_graphs, "CapturedStep", ReplayGuard)
+    monkeypatch.setattr(ReplayGuard, "shared", sb)
+    ReplayGuard.captures = 0
+    fast_graphs.release(sb)
+    fast_graphs.pool_for(sb).keep = pool_keep
+    with sb.role("policy"):
+        for _ in range(2):
+            got = FastEngine().sample(sb, prompts, 2, gen, greedy=True).completion_ids
+            assert torch.equal(got, eager)
+            pool = fast_graphs.pool_for(sb)
+            assert (len(pool.states), len(pool.graphs)) == ((1, 1) if kept else (0, 0))
+    assert ReplayGuard.captures == (1 if kept else 2) == pool.captures
+    fast_graphs.release(sb)
+
+
 def test_eos_checked_every_k_steps_pads_the_extra_columns(default_model_dir):
     """Reading "all rows ended?" every 4 steps: up to 3 more steps run, into padding; the rollout is unchanged."""
     sb = SharedBase.load(ModelConfig(name=str(default_model_dir), quantization="none", dtype="float32"))

@@ -205,6 +205,45 @@ def test_chunked_logprob_gradients_match_naive():
     torch.testing.assert_close(g1, hidden.grad, atol=1e-6, rtol=1e-5)
 
 
+def test_logit_chunk_positions_bounds_the_tokens_of_a_chunk():
+    from lorarl.core.chunking import logit_chunk_positions
+
+    # c = max(1, min(chunk_size, positions, chunk_tokens // rows)), by hand
+    assert logit_chunk_positions(8, 1024, 256, 2048) == 256  # 8 x 256 = 2048 tokens: the position bound holds
+    assert logit_chunk_positions(64, 1024, 256, 2048) == 32  # 64 rows: 2048 // 64 positions
+    assert logit_chunk_positions(64, 16, 256, 2048) == 16  # fewer positions than either bound
+    assert logit_chunk_positions(5000, 100, 256, 2048) == 1  # more rows than tokens: one position at a time
+    with pytest.raises(ValueError):
+        logit_chunk_positions(0, 10, 256, 2048)
+
+
+def test_chunk_tokens_bounds_every_head_call_and_changes_no_value():
+    """``chunk_tokens``: each output-head call sees at most that many tokens (10 rows x 6 positions for 64 tokens),
+    and the log-probs, entropies and gradients equal the unchunked softmax's."""
+    torch.manual_seed(0)
+    B, T, H, V = 10, 50, 16, 300
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    linear = torch.nn.Linear(H, V, bias=False)
+    seen = []
+
+    def head(h):
+        seen.append(tuple(h.shape))
+        return linear(h)
+
+    targets = torch.randint(0, V, (B, T))
+    lp, ent = chunked_token_logprobs(hidden, head, targets, 0.7, chunk_size=16, with_entropy=True, chunk_tokens=64)
+    assert seen == [(B, 6, H)] * 8 + [(B, 2, H)]
+    logits = linear(hidden).float() / 0.7
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1))
+    torch.testing.assert_close(ent, torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5, rtol=0)
+    w = torch.randn(B, T)
+    (lp * w).sum().backward()
+    g = hidden.grad.clone()
+    hidden.grad = None
+    (torch.log_softmax(linear(hidden) / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1) * w).sum().backward()
+    torch.testing.assert_close(g, hidden.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_last_token_index_uses_attention_mask_not_pad_id():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert last_token_index(mask).tolist() == [2, 4, 4]

@@ -313,12 +313,20 @@ def test_cli_plan_shows_the_fast_engines_memory(capsys):
     from lorarl.cli import main
 
     recipe = str(REPO / "recipes" / "grpo_arithmetic.yaml")
-    rc = main(["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast"])
+    rc = main(
+        ["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast", "generation.keep_cache=true"]
+    )
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     assert result["settings"]["engine"] == "fast" and result["breakdown_gb"]["persistent"]["static_kv_cache"] > 0
     assert any("static KV cache" in line and "graph pool" in line for line in out[:-1])
+    # auto: 64 rows in one micro-batch do not fit 24 GB with the cache held, so the plan frees it after each rollout
+    main(["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["settings"]["keep_cache"] is False and "static_kv_cache" not in result["breakdown_gb"]["persistent"]
+    assert any("keep_cache -> false" in line and "freed after each rollout" in line for line in out[:-1])
     main(["plan", recipe, "--model-config", "llama-3.1-8b", "generation.engine=fast", "generation.cuda_graphs=false"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert any("no graphs" in line for line in lines[:-1])
@@ -348,3 +356,45 @@ def test_cli_plan_of_a_default_recipe_shows_the_fast_engine_on_a_gpu(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1])["settings"]["engine"] == "fast"
     assert any(line.startswith("  decode engine: fast, CUDA graphs") for line in out[:-1])
+
+
+def test_a_scoring_chunk_of_logits_holds_at_most_logprob_chunk_tokens_tokens():
+    """64 scoring rows of 1024 new tokens on Qwen2.5-1.5B (V = 151,936, bf16: 8 bytes per no-grad logit): 2048 // 64
+    = 32 positions per chunk, 2.49 GB; without the token bound 256 positions, 19.9 GB (what the planner found)."""
+    from lorarl.plan.estimate import scoring_moments
+    from lorarl.plan.settings import PlanSettings, plan_settings, step_sizes
+
+    shape = model_shape("qwen2.5-1.5b")
+    s = PlanSettings(prompts_per_step=8, group_size=8, max_new_tokens=1024, kl_coef=0.04)
+    chunk = scoring_moments(shape, s, step_sizes(shape, s))["logits"]["logits_chunk"]
+    assert chunk == 64 * 32 * 151936 * 8
+    s = plan_settings(s, logprob_chunk_tokens=10**9)
+    assert scoring_moments(shape, s, step_sizes(shape, s))["logits"]["logits_chunk"] == 64 * 256 * 151936 * 8
+
+
+@pytest.mark.parametrize(
+    "model,keep", [("Qwen/Qwen2.5-1.5B-Instruct", True), ("meta-llama/Llama-3.1-8B-Instruct", False)]
+)
+def test_keep_cache_auto_frees_the_static_cache_where_holding_it_costs_training(model, keep):
+    """GRPO, 64 rows of 128 + 1024 tokens, 24 GB: the 8B's 9.66 GB static cache (32 layers x 8 KV heads x 128 x
+    2 x 2 bytes x 64 rows x 1152 columns) would cut the planned micro-batch from 16 to 2, so auto frees it after
+    each rollout (then it is a generation term, not a persistent one); the 1.5B keeps its cache. Written true /
+    false is obeyed; on CPU nothing is kept, so auto resolves to true."""
+    from lorarl.config import load_recipe
+    from lorarl.plan.recipes import recipe_model_shape, recipe_settings, resolve_keep_cache
+    from lorarl.plan.terms import GB
+
+    over = [f"model.name={model}", "generation.max_new_tokens=1024", "data.max_prompt_tokens=128"]
+    recipe = load_recipe(REPO / "recipes" / "grpo_gsm8k.yaml", over)
+    shape = recipe_model_shape(recipe)
+    assert resolve_keep_cache(recipe, "cuda", budget_gb=24) is keep
+    assert resolve_keep_cache(recipe, "cpu") is True
+    est = estimate_memory(shape, recipe_settings(recipe, shape=shape, budget_bytes=24 * GB))
+    cache = 32 * 8 * 128 * 2 * 2 * 64 * 1152 if not keep else None
+    if keep:
+        assert "static_kv_cache" in est["breakdown"]["persistent"]
+    else:
+        assert "static_kv_cache" not in est["breakdown"]["persistent"]
+        assert est["breakdown"]["generation"]["static_kv_cache"] == cache
+    written = load_recipe(REPO / "recipes" / "grpo_gsm8k.yaml", [*over, f"generation.keep_cache={not keep}"])
+    assert resolve_keep_cache(written, "cuda", budget_gb=24) is (not keep)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -337,6 +338,24 @@ def train(
         clear_pid(run_dir)
 
 
+def keep_decode_cache(recipe: Recipe, shared: SharedBase) -> None:
+    """Resolve ``generation.keep_cache`` for this run's base (CUDA: ``auto`` asks the planner,
+    :func:`lorarl.plan.recipes.resolve_keep_cache`; one line says what it chose and why when it frees)."""
+    if shared.device.type != "cuda":
+        return
+    from lorarl.plan.recipes import resolve_keep_cache
+    from lorarl.rollout.fast.graphs import pool_for
+
+    keep = resolve_keep_cache(recipe, "cuda")
+    pool_for(shared).keep = keep
+    if recipe.generation.keep_cache == "auto" and not keep:
+        print(
+            "generation.keep_cache auto -> false: the fast engine's static KV cache is freed after each rollout "
+            "(held, it would not fit the card or would lower the planned micro-batch; `lorarl plan` shows both)",
+            file=sys.stderr,
+        )
+
+
 def train_in(
     recipe: Recipe,
     run_dir: Path,
@@ -352,6 +371,7 @@ def train_in(
     # 2. The shared base and the algorithm's set-up on it --------------------------------------------------
     shared = SharedBase.load(recipe.model)
     algo = make_algorithm(recipe, shared)
+    keep_decode_cache(recipe, shared)
     if hasattr(algo, "source"):  # an LLM judge logs a sample of its prompts and answers to run_dir/judge.jsonl
         algo.source.log_to(run_dir)
     last_step = min(algo.total_steps, max_steps) if max_steps else algo.total_steps

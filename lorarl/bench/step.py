@@ -169,6 +169,7 @@ def lorarl_args(spec: dict, work: Path) -> argparse.Namespace:
 def worker_lorarl(spec: dict, out: Path) -> dict:
     """``spec["algo"]`` (grpo / ppo) for ``spec["steps"]`` steps of the real algorithm; the last step's figures."""
     from lorarl.algos import make_algorithm
+    from lorarl.algos.loop import keep_decode_cache
     from lorarl.bench.memory import run_step
     from lorarl.bench.plan_validation import build_shared, shape_dict, validation_recipe
     from lorarl.bench.synthetic import add_random_reward_adapter, shape_config
@@ -184,6 +185,7 @@ def worker_lorarl(spec: dict, out: Path) -> dict:
     if spec["algo"] == "ppo":
         add_random_reward_adapter(shared, out / "reward", recipe.lora)
     trainer = make_algorithm(recipe, shared)
+    keep_decode_cache(recipe, shared)  # generation.keep_cache: auto, resolved as lorarl train does
     for step in range(1, spec["steps"] + 1):
         log = phase_log(spec["device"])
         with recording(log):

@@ -41,9 +41,11 @@ class ModelConfig:
     trust_remote_code: bool = False  # run code shipped with a hub model (off: only transformers' own code)
     init_adapter: str | None = None  # start from a trained PEFT adapter; the reference is then that adapter, frozen
     logprob_chunk_size: int = 256  # positions per chunk when computing log-probs from hidden states
+    logprob_chunk_tokens: int = 2048  # at most rows x positions per chunk (fewer positions when rows are many)
 
     def validate(self, where: str) -> None:
         check(self.logprob_chunk_size >= 1, where, "model.logprob_chunk_size", "must be >= 1")
+        check(self.logprob_chunk_tokens >= 1, where, "model.logprob_chunk_tokens", "must be >= 1")
 
 
 @dataclass
@@ -173,6 +175,10 @@ class GenerationConfig:
     # fast engine on an NF4 base: auto = each LoRA layer's base through lorarl's Triton NF4 matmul (up to 256 rows;
     # lorarl.kernels, docs/rollout_engine.md) where Triton and CUDA are there; off = bitsandbytes' matmul_4bit
     nf4_kernel: Literal["auto", "off"] = "auto"
+    # fast engine with CUDA graphs: keep the static KV cache and captured steps between rollouts (true: no new
+    # capture per step), or free them after each rollout so scoring and training get that memory (false; TRL's
+    # vllm_enable_sleep_mode, in spirit); auto = keep when the planner puts the step inside the card with them held
+    keep_cache: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
 
     def engine_for(self, device_type: str) -> str:
         """The engine this config decodes with on a ``device_type`` device: ``auto`` is ``fast`` on CUDA (its

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lorarl.core.chunking import logit_chunk_positions
 from lorarl.core.losses import entropy_from_logprobs
 
 
@@ -19,13 +20,16 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     with_entropy: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(lm_head(h_t) / temperature)[targets_t], computed ``chunk_size`` positions at a time.
+    """log softmax(lm_head(h_t) / temperature)[targets_t], computed a chunk of positions at a time.
 
     hidden [B, T, H], targets [B, T] -> logprobs [B, T] fp32 (and entropy [B, T] if asked; ``lm_head`` maps hidden
     states to logits, the model's own logit transform included: :meth:`SharedBase.output_head`). Each chunk's logits are
     recomputed in the backward pass (activation checkpointing), so at most one chunk of ``[B, chunk, V]`` fp32
-    logits is alive at a time, forward or backward.
+    logits is alive at a time, forward or backward. A chunk is ``chunk_size`` positions, fewer when the rows times
+    that would pass ``chunk_tokens`` (:func:`~lorarl.core.chunking.logit_chunk_positions`; None: no token bound), so
+    the logits alive at once stay bounded however many rows a scoring pass takes.
     """
 
     def one_chunk(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +42,15 @@ def chunked_token_logprobs(
             ent = torch.zeros_like(lse)
         return lp, ent
 
+    rows, positions = hidden.shape[0], hidden.shape[1]
+    step = (
+        chunk_size
+        if chunk_tokens is None or rows == 0
+        else logit_chunk_positions(rows, positions, chunk_size, chunk_tokens)
+    )
     outs_lp, outs_ent = [], []
-    for s in range(0, hidden.shape[1], chunk_size):
-        h, tgt = hidden[:, s : s + chunk_size], targets[:, s : s + chunk_size]
+    for s in range(0, positions, step):
+        h, tgt = hidden[:, s : s + step], targets[:, s : s + step]
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(one_chunk, h, tgt, use_reentrant=False)
         else:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from lorarl.model.chunked import chunked_token_logprobs
 from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.tokens import position_ids
 
@@ -154,10 +153,7 @@ def completion_logprobs(
     )
     last_prompt = out.last_hidden_state[:, -1:].index_select(0, rows)  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
-    head = shared.output_head()
-    return chunked_token_logprobs(
-        hidden, head, batch.completion_ids.to(dev), temperature, shared.cfg.logprob_chunk_size, with_entropy
-    )
+    return shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy)
 
 
 PACK_TOKENS = 1024  # a pack holds one prompt and as many of its completions as fit in this many tokens
@@ -255,10 +251,7 @@ def packed_completion_logprobs(
     R, L, H = out.last_hidden_state.shape
     where = (packs.pack * L + packs.column).to(dev)  # [B, T] flat positions in the packs
     hidden = out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
-    head = shared.output_head()
     mask = batch.completion_mask.to(dev)
-    lp, ent = chunked_token_logprobs(
-        hidden, head, batch.completion_ids.to(dev), temperature, shared.cfg.logprob_chunk_size, with_entropy
-    )
+    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy)
     lp = lp.masked_fill(~mask, 0.0)
     return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)

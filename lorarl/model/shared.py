@@ -347,9 +347,22 @@ class SharedBase:
         if start < 1:
             raise ValueError("start must be >= 1 (the first token has no prediction)")
         hidden = self.hidden_states(input_ids, attention_mask)[:, start - 1 : -1]
-        head = self.output_head()
+        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy)
+
+    def hidden_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log softmax(output_head(hidden) / temperature)[targets]: hidden [B, T, H], targets [B, T] -> [B, T] fp32
+        (entropy too if asked), a chunk of logits at a time as ``model.logprob_chunk_size`` and
+        ``model.logprob_chunk_tokens`` bound it (:func:`~lorarl.model.chunked.chunked_token_logprobs`)."""
         return chunked_token_logprobs(
-            hidden, head, input_ids[:, start:], temperature, self.cfg.logprob_chunk_size, with_entropy
+            hidden,
+            self.output_head(),
+            targets,
+            temperature,
+            self.cfg.logprob_chunk_size,
+            with_entropy,
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
         )
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:

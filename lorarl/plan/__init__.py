@@ -68,7 +68,8 @@ Scoring (no-grad forwards over the rollout, ``B`` = the scoring rows: GRPO's ref
 ``kl_coef > 0``, old log-probs when ``num_iterations > 1``; PPO's old / reference log-probs, values and reward
 scores), ``max`` of: hidden states ``2 tokens H dt`` + one layer's forward (with or without an active adapter) +
 the 4-D attention mask ``B T^2``; or hidden states + one chunk of logits ``B c V max(8, dt + 4)`` (fp32 logits / T
-and one fp32 temporary of logsumexp), ``c = min(logprob_chunk_size, C)``. With shared prompts (GRPO) the prompts'
+and one fp32 temporary of logsumexp), ``c = max(1, min(logprob_chunk_size, C, logprob_chunk_tokens // B))``
+(a chunk holds at most ``logprob_chunk_tokens`` tokens' logits, however many rows). With shared prompts (GRPO) the prompts'
 caches ``B P kv`` are held in both moments and the forward runs over the completions only (``tokens = B C``).
 
 Training (``B = micro_batch_size``, gradient checkpointing on): LoRA gradients + **checkpoints** (each decoder

@@ -61,11 +61,11 @@ def budget_advice(est: dict[str, Any], budget_gb: float, micro_batch: int, gener
         return [
             f"does not fit {budget_gb:g} GB even at micro-batch {micro_batch} / generation batch {generation_batch}: "
             f"the {worst} phase needs {total_bytes(est['phases'][worst]) / GB:.2f} GB; its largest term is {top[0]} "
-            f"({top[1] / GB:.2f} GB). Lower max_new_tokens, prompt length, model.logprob_chunk_size or the "
+            f"({top[1] / GB:.2f} GB). Lower max_new_tokens, prompt length, model.logprob_chunk_tokens or the "
             "model size."
         ]
     if est["breakdown"]["training"].get("logits_chunk", 0) > 0.25 * est["phases"]["training"]:
-        return ["logits dominate training memory: a smaller model.logprob_chunk_size saves memory"]
+        return ["logits dominate training memory: a smaller model.logprob_chunk_tokens saves memory"]
     return []
 
 

@@ -57,7 +57,7 @@ def dpo_reference_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> M
             "layer_forward": layer_forward_bytes(shape, z.dt, g * T, s.reference_adapter, z.dequantized),
             "attention_mask": g * T * T,
         },
-        "logits": {"hidden_states": hidden, "logits_chunk": scoring_logits_bytes(shape, g, z.chunk, z.dt)},
+        "logits": {"hidden_states": hidden, "logits_chunk": scoring_logits_bytes(shape, g, z.chunk(g), z.dt)},
     }
 
 

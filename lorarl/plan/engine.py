@@ -5,7 +5,8 @@ The engine allocates a **static KV cache** of ``B x Lc`` columns before decoding
 step at a time. With CUDA graphs (``generation.cuda_graphs``, CUDA only) the step is captured once and replayed;
 everything it allocates lives in the **graph pool** (:func:`~lorarl.plan.terms.decode_step_bytes`), and the cache
 and the pool are **kept between rollouts** (capture then pays off), so both are persistent terms, held in every
-phase. Without graphs both exist only during generation. Two decode states are kept (the training rollout's and
+phase. Without graphs, or with ``generation.keep_cache`` false (resolved: :func:`keeps_between_rollouts`; the engine
+frees them after each rollout), both exist only during generation. Two decode states are kept (the training rollout's and
 the held-out evaluation's, :func:`eval_state_size`): with an evaluation between steps its static cache is held too.
 
 Generation moments (``m`` distinct prompts of the call, each prefilled once; ``B`` generation rows):
@@ -42,6 +43,11 @@ def uses_graphs(s: PlanSettings) -> bool:
     return s.engine == "fast" and s.cuda_graphs and s.device == "cuda"
 
 
+def keeps_between_rollouts(s: PlanSettings) -> bool:
+    """The static cache and graph pool outlive each rollout: captured steps and ``keep_cache``."""
+    return uses_graphs(s) and s.keep_cache
+
+
 def distinct_prompts(s: PlanSettings, rows: int) -> int:
     """Distinct prompts in a generation call of ``rows`` rows, at most: ``ceil(rows / G)``, one more when ``rows``
     is not a multiple of ``G`` (a call may then start inside a group), never more than the rows (GRPO; PPO: every
@@ -76,7 +82,7 @@ def eval_state_size(s: PlanSettings, z: StepSizes) -> tuple[int, int] | None:
     >>> eval_state_size(s, z), eval_state_size(plan_settings(s, eval_batch_size=16), z)
     ((32, 384), None)
     """
-    if not uses_graphs(s) or s.eval_batch_size <= 0:
+    if not keeps_between_rollouts(s) or s.eval_batch_size <= 0:
         return None
     new_tokens = s.eval_max_new_tokens or z.new_tokens
     cols = static_cache_columns(z.prompt_len, new_tokens, GRAPH_BUCKET)
@@ -95,7 +101,7 @@ def fast_persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> d
     between steps (:func:`eval_state_size`) its own static cache ``B_e x columns x kv`` is held too
     (``eval_static_kv_cache``), and the graph pool, shared by both states' captured steps (one pool handle; a
     capture reuses the blocks an earlier one freed), is the larger of their decode steps."""
-    if not uses_graphs(s):
+    if not keeps_between_rollouts(s):
         return {}
     terms = fast_static_terms(shape, s, z) if s.algo not in NO_ROLLOUTS else {"graph_pool": 0}
     size = eval_state_size(s, z)
@@ -111,8 +117,8 @@ def fast_generation_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) ->
     b, P, kv = z.generation_rows, z.prompt_len, z.kv_per_token
     m = distinct_prompts(s, b)
     static = fast_static_terms(shape, s, z)
-    held = {} if uses_graphs(s) else {"static_kv_cache": static["static_kv_cache"]}
-    step = {} if uses_graphs(s) else {"decode_step": static["graph_pool"]}
+    held = {} if keeps_between_rollouts(s) else {"static_kv_cache": static["static_kv_cache"]}
+    step = {} if keeps_between_rollouts(s) else {"decode_step": static["graph_pool"]}
     return {
         "prefill": {
             **held,

@@ -142,7 +142,7 @@ def scoring_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments
             "layer_forward": layer_forward_bytes(shape, z.dt, tok, lora, z.dequantized),
             "attention_mask": b * T * T,
         },
-        "logits": {**held, "logits_chunk": scoring_logits_bytes(shape, b, z.chunk, z.dt)},
+        "logits": {**held, "logits_chunk": scoring_logits_bytes(shape, b, z.chunk(b), z.dt)},
     }
 
 
@@ -189,7 +189,7 @@ def training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moment
         "logits": {
             **kept,
             "final_hidden": final_hidden_bytes(shape, tok, z.dt),
-            "logits_chunk": train_logits_bytes(shape, mb, z.chunk, z.dt, s.training_entropy),
+            "logits_chunk": train_logits_bytes(shape, mb, z.chunk(mb), z.dt, s.training_entropy),
             "loss_terms": loss_terms_bytes(mb, z.new_tokens),
         },
         "layer": _layer_recompute_moment(s, z, kept, tok, attention_mask),

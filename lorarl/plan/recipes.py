@@ -9,10 +9,11 @@ from typing import Any
 from lorarl.config import GRPOConfig, GRPOKLConfig, PPOConfig
 from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
-from lorarl.plan.choice import pick_micro_batch
+from lorarl.plan.choice import largest_fitting_micro_batch, pick_micro_batch
+from lorarl.plan.engine import uses_graphs
 from lorarl.plan.estimate import estimate_memory
 from lorarl.plan.judge import judge_settings
-from lorarl.plan.settings import PLANNED_ALGOS, PlanSettings
+from lorarl.plan.settings import PLANNED_ALGOS, PlanSettings, plan_settings
 from lorarl.plan.terms import GB
 from lorarl.shapes import KNOWN_CONFIGS, ModelShape, known_config, model_shape
 
@@ -30,9 +31,65 @@ def recipe_settings(
     """The planner's view of a :class:`lorarl.config.Recipe` on ``device_type`` (``auto`` quantization and
     dtype resolve as the loader does: on CUDA :func:`lorarl.model.loading.choose_quantization` of the model's bf16
     weights (``shape``) against ``budget_bytes``, so bf16 for a model that is a small share of the budget and NF4
-    otherwise or when either is unknown, with bf16 compute; none + fp32 on CPU). Prompt length is
-    ``data.max_prompt_tokens`` (the longest prompt the data loader keeps), or at most
-    :data:`ARITHMETIC_PROMPT_TOKENS` for the built-in arithmetic task."""
+    otherwise or when either is unknown, with bf16 compute; none + fp32 on CPU; ``generation.keep_cache: auto`` as
+    the run loop resolves it, :func:`auto_keep_cache`). Prompt length is ``data.max_prompt_tokens`` (the longest
+    prompt the data loader keeps), or at most :data:`ARITHMETIC_PROMPT_TOKENS` for the built-in arithmetic task."""
+    s = _written_settings(recipe, device_type, shape, budget_bytes)
+    keep = recipe.generation.keep_cache
+    if keep == "auto":
+        keep = auto_keep_cache(shape, s, budget_bytes, recipe.train.micro_batch_size == "auto")
+    return plan_settings(s, keep_cache=bool(keep))
+
+
+def auto_keep_cache(
+    shape: ModelShape | None, s: PlanSettings, budget_bytes: float | None, micro_batch_auto: bool = False
+) -> bool:
+    """``generation.keep_cache: auto``: keep the fast engine's decode states (static KV cache + CUDA graph pool)
+    between rollouts when the step with them held fits ``budget_bytes`` (``peak_total_bytes``: the CUDA context and
+    allocator slack included) and, with ``train.micro_batch_size: auto``, holding them does not lower the
+    micro-batch the planner picks (fewer, larger training forwards outweigh a capture per rollout); otherwise free
+    them after each rollout, so scoring and training have that memory and each rollout captures again (a few
+    decode steps' time). True when nothing would be kept anyway (no CUDA graphs) or the shape or budget is
+    unknown. For 64 rows of 128 + 1024 tokens on a 24 GB budget (``lorarl plan recipes/grpo_gsm8k.yaml
+    generation.max_new_tokens=1024 data.max_prompt_tokens=128``): Qwen2.5-1.5B keeps its 2.1 GB of cache
+    (micro-batch 32 either way), Llama-3.1-8B frees its 9.7 GB (micro-batch 2 held, 16 freed)."""
+    if shape is None or budget_bytes is None or not uses_graphs(s):
+        return True
+    held, freed = plan_settings(s, keep_cache=True), plan_settings(s, keep_cache=False)
+    if estimate_memory(shape, held)["peak_total_bytes"] > budget_bytes:
+        return False
+    if not micro_batch_auto:
+        return True
+    return (
+        largest_fitting_micro_batch(shape, held, budget_bytes)[0]
+        >= largest_fitting_micro_batch(shape, freed, budget_bytes)[0]
+    )
+
+
+def resolve_keep_cache(recipe, device_type: str, budget_gb: float | None = None) -> bool:
+    """``generation.keep_cache`` as a bool for a run on ``device_type`` (true / false as written; ``auto``:
+    :func:`auto_keep_cache` against ``budget_gb``, else the card's memory, times the process's memory fraction
+    where one is set). Only CUDA keeps anything: True elsewhere, and when the model's shape cannot be read."""
+    keep = recipe.generation.keep_cache
+    if keep != "auto":
+        return bool(keep)
+    if device_type != "cuda":
+        return True
+    if budget_gb is None:
+        import torch
+
+        from lorarl.model.loading import cuda_budget_bytes
+
+        budget_gb = cuda_budget_bytes(torch.device("cuda", torch.cuda.current_device())) / GB
+    try:
+        shape = recipe_model_shape(recipe)
+    except LorarlError:
+        return True
+    return recipe_settings(recipe, device_type="cuda", shape=shape, budget_bytes=budget_gb * GB).keep_cache
+
+
+def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget_bytes: float | None) -> PlanSettings:
+    """:func:`recipe_settings` before ``generation.keep_cache`` is resolved."""
     m = recipe.model
     quant = m.quantization
     if quant == "auto":
@@ -76,6 +133,7 @@ def recipe_settings(
         max_new_tokens=g.max_new_tokens,
         micro_batch_size=mb if isinstance(mb, int) else 1,
         logprob_chunk_size=m.logprob_chunk_size,
+        logprob_chunk_tokens=m.logprob_chunk_tokens,
         gradient_checkpointing=m.gradient_checkpointing,
         kl_coef=grpo.kl.coef if algo == "grpo" else ppo.kl.coef,
         num_iterations=grpo.num_iterations,
@@ -151,6 +209,7 @@ def _fixed_length_settings(
         max_new_tokens=section.max_length - prompt_len,
         micro_batch_size=mb if isinstance(mb, int) else 1,
         logprob_chunk_size=m.logprob_chunk_size,
+        logprob_chunk_tokens=m.logprob_chunk_tokens,
         gradient_checkpointing=m.gradient_checkpointing,
         device=device_type,
         engine=recipe.generation.engine_for(device_type),
@@ -270,6 +329,11 @@ def decode_engine_line(result: dict[str, Any]) -> str:
             "held between rollouts (in every phase above)"
         )
     gen = result["breakdown_gb"].get("generation", {})
+    if s.get("cuda_graphs") and s.get("device") == "cuda":
+        return (
+            f"  decode engine: fast, CUDA graphs, generation.keep_cache -> false: static KV cache "
+            f"{gen.get('static_kv_cache', 0.0):.2f} GB while generating, freed after each rollout (captured again)"
+        )
     return (
         f"  decode engine: fast, no graphs: static KV cache {gen.get('static_kv_cache', 0.0):.2f} GB "
         "allocated while generating"

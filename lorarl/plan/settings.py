@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lorarl.core.chunking import logit_chunk_positions
 from lorarl.plan.terms import (
     dequantized_weight_bytes,
     head_params,
@@ -44,6 +45,7 @@ class PlanSettings:
     generation_batch_size: int | None = None  # rows per generate call; None: all rows of the step at once
     scoring_batch_size: int | None = None  # rows per no-grad log-prob / value / score pass; None: generation's
     logprob_chunk_size: int = 256
+    logprob_chunk_tokens: int = 2048
     gradient_checkpointing: bool = True
     kl_coef: float = 0.0  # > 0 runs the reference
     num_iterations: int = 1  # grpo: > 1 records old log-probs
@@ -59,6 +61,7 @@ class PlanSettings:
     packed_training: bool = True
     engine: str = "hf"  # generation.engine: hf (transformers' generate) | fast (static cache, lorarl.plan.engine)
     cuda_graphs: bool = True  # generation.cuda_graphs: the fast engine keeps its cache and graph pool (CUDA only)
+    keep_cache: bool = True  # generation.keep_cache resolved: with graphs, cache + pool held between rollouts
     # held-out evaluation during training (eval.every > 0): rows per greedy generate call (eval.batch_size, at most
     # eval.n; 0: no evaluation between steps) and its new tokens (eval.max_new_tokens; None: max_new_tokens). With
     # CUDA graphs its decode state is kept beside the training one (lorarl.plan.engine)
@@ -101,7 +104,8 @@ class StepSizes:
     prompt_len: int  # P
     new_tokens: int  # C
     seq_len: int  # T = P + C
-    chunk: int  # c = min(logprob_chunk_size, C)
+    chunk_size: int  # model.logprob_chunk_size
+    chunk_tokens: int  # model.logprob_chunk_tokens
     rows: int  # completions per step
     generation_rows: int  # rows per generate call
     scoring_rows: int  # rows per no-grad scoring pass
@@ -111,6 +115,12 @@ class StepSizes:
     dequantized: int  # bytes of the largest dequantized projection (NF4), else 0
     kv_per_token: int  # KV cache bytes per token
     per_layer: float  # bytes per token of one layer recomputed with its backward
+
+    def chunk(self, rows: int) -> int:
+        """Positions per chunk of logits for a forward of ``rows`` rows over the ``C`` completion positions:
+        ``c = max(1, min(logprob_chunk_size, C, logprob_chunk_tokens // rows))``
+        (:func:`~lorarl.core.chunking.logit_chunk_positions`, what the model's chunked pass runs)."""
+        return logit_chunk_positions(rows, self.new_tokens, self.chunk_size, self.chunk_tokens)
 
 
 def step_sizes(shape: ModelShape, s: PlanSettings) -> StepSizes:
@@ -128,7 +138,8 @@ def step_sizes(shape: ModelShape, s: PlanSettings) -> StepSizes:
         prompt_len=s.prompt_len,
         new_tokens=C,
         seq_len=s.prompt_len + C,
-        chunk=min(s.logprob_chunk_size, C),
+        chunk_size=s.logprob_chunk_size,
+        chunk_tokens=s.logprob_chunk_tokens,
         rows=rows,
         generation_rows=gen_b,
         scoring_rows=min(s.scoring_batch_size or gen_b, rows),

@@ -72,5 +72,5 @@ def forward_backward_moments(
         }
     }
     if logits:
-        moments["logits"] = {**kept, "logits_chunk": train_logits_bytes(shape, g, z.chunk, z.dt, False)}
+        moments["logits"] = {**kept, "logits_chunk": train_logits_bytes(shape, g, z.chunk(g), z.dt, False)}
     return moments

@@ -69,6 +69,14 @@ def unsupported_reason(shared: SharedBase) -> str | None:
     return reason
 
 
+def keeps_cache(shared: SharedBase, generation: GenerationConfig) -> bool:
+    """Whether the decode states outlive a rollout: ``generation.keep_cache`` when it is true or false; ``auto``:
+    what the run resolved for this base (:attr:`~lorarl.rollout.fast.graphs.StatePool.keep`, set from the planner
+    by the run loop; True where nothing resolved it, e.g. the chat)."""
+    want = getattr(generation, "keep_cache", "auto")
+    return want if isinstance(want, bool) else pool_for(shared).keep
+
+
 def sampler_settings(generation: GenerationConfig, greedy: bool, record: bool, draw: str) -> SamplerSettings:
     """The sampler of a rollout: ``generation``'s temperature / top-k / top-p, or greedy; tokens drawn by ``draw``
     (:mod:`~lorarl.rollout.fast.sampling`). Recording log-probs with top-k / top-p is refused as
@@ -157,6 +165,8 @@ class FastEngine(ReusesKV):
                 width = max(width, c_ids.shape[1])
         if self.prefix_kv is not None:
             self.prefix_kv.commit()
+        if self._graphs_on(shared, generation) and not keeps_cache(shared, generation):
+            pool_for(shared).clear()  # scoring and training get the static cache's memory (generation.keep_cache)
         return Sampled(ids[:, :width], logprobs[:, :width] if logprobs is not None else None)
 
     def _graphs_on(self, shared: SharedBase, generation: GenerationConfig) -> bool:

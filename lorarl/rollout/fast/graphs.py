@@ -149,7 +149,9 @@ class StatePool:
 
     Keeping them is what makes capture pay off (a GRPO run decodes the same shape every step); the planner counts
     the static cache and the graph pool as held through every phase (:mod:`lorarl.plan`). At most
-    :data:`KEEP_STATES` states are kept; :func:`release` frees them all."""
+    :data:`KEEP_STATES` states are kept; :func:`release` frees them all. ``keep`` False (``generation.keep_cache``,
+    resolved by the run loop): the engine calls :meth:`clear` after each rollout, so scoring and training have that
+    memory, and the next rollout allocates and captures again."""
 
     def __init__(self) -> None:
         self.states: OrderedDict[tuple, DecodeState] = OrderedDict()
@@ -159,6 +161,15 @@ class StatePool:
         self.capture_failures = 0  # captures that failed (their key then decodes eagerly)
         self.eager_fallbacks = 0  # decode batches that ran eagerly because their capture had failed
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.keep = True  # keep states between rollouts (generation.keep_cache: auto resolves it per run)
+
+    def clear(self) -> None:
+        """Free every kept decode state and captured step (counters stay: they are the run's). The graphs' private
+        pool is dropped with them (a new handle for the next capture), so its blocks return to the allocator."""
+        self.graphs.clear()
+        self.states.clear()
+        if self.pool is not None:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def state(self, shared: SharedBase, rows: int, length: int, new_tokens: int, kv_dtype, heads, head_dim):
         """A kept state that fits the batch (most recently used first), else a new one (evicting the oldest)."""
