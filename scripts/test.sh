@@ -11,4 +11,7 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "scripts/test.sh: could not install chromium; the browser test will skip"
 fi
-python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+# one pytest worker per core, up to 4 (LORARL_TEST_WORKERS=N to choose; 0 runs in this process); a file's tests stay
+# on one worker (--dist loadfile: module fixtures are built once); timings in docs/testing.md.
+workers=${LORARL_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
+python -m pytest -q -p no:cacheprovider --durations=15 -n "$workers" --dist loadfile "$@"

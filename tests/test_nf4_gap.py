@@ -69,7 +69,10 @@ def test_identical_models_give_no_gap(runs):
     """The zero adapter on the fp32 base against its merge (the base itself): the same function, bit for bit."""
     r = measure_nf4_gap(runs["zero"], ROWS, merged_dir=runs["base"], max_new_tokens=4, quantization="none")
     assert r["prompts"] == 4 and r["tokens_compared"] > 4 * 4  # prompts plus completions
-    assert r["logits_max_abs_diff"] == 0.0 and r["logits_mean_abs_diff"] == 0.0 and r["top1_agreement"] == 1.0
+    # the same function, but not always the same float path: the zero adapter (LoRA B = 0, adapters on) and the bare
+    # base took different paths on an AMD EPYC without AVX-512 in the DPO test (2.4e-7, issue 34); a few fp32 ulps of
+    # logits below 100 in size stay under 1e-4 (this machine: exactly 0)
+    assert r["logits_max_abs_diff"] <= 1e-4 and r["logits_mean_abs_diff"] <= 1e-5 and r["top1_agreement"] == 1.0
     assert r["greedy_agreement"] == 1.0 and r["token_agreement"] == 1.0
     assert r["accuracy_nf4"] == r["accuracy_merged"] is not None and r["accuracy_gap"] == 0.0
     assert r["merged_dtype"] == "fp32"
