@@ -417,9 +417,10 @@ def test_a_model_it_cannot_drive_falls_back_to_generate(tmp_path, tiny_model_dir
     tok.save_pretrained(tmp_path)
     sb = SharedBase.load(ModelConfig(name=str(tmp_path), quantization="none", dtype="float32"))
     assert "SlidingWindow" in unsupported_reason(sb)
-    with pytest.warns(UserWarning, match="using hf"):
+    with pytest.warns(UserWarning, match="using hf") as caught:
         hf, fast = _both(sb, _prompts(sb, TEXTS), 2, GenerationConfig(max_new_tokens=6), role="base", greedy=True)
     assert torch.equal(hf.completion_ids, fast.completion_ids)
+    assert [w.filename for w in caught if "using hf" in str(w.message)] == [__file__]  # the line calling sample
 
 
 def test_recording_with_top_p_is_refused_like_generate(policy_shared):

@@ -18,8 +18,9 @@ Engines are registered by name in :data:`lorarl.rollout.registry.ENGINES`, above
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from abc import abstractmethod
+from dataclasses import dataclass, fields
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -45,13 +46,31 @@ class Sampled:
     sampler_logprobs: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class SampleCall:
+    """One :meth:`Engine.sample` call, gathered for a :class:`DecodeEngine`'s ``_sample`` (the fields are
+    ``sample``'s parameters after ``shared``)."""
+
+    prompts: list[list[int]]
+    group_size: int
+    generation: GenerationConfig
+    greedy: bool = False
+    max_new_tokens: int | None = None
+    record_logprobs: bool = False
+    batch_size: int | None = None
+
+    def keywords(self) -> dict:
+        """The call's parameters by name, as ``sample`` takes them (fields not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 class Engine(Protocol):
-    """Samples completions with the active role (called inside ``shared.role(...)``, no grad)."""
+    """Samples completions with the active role (called inside ``shared.role(...)``, no grad). Any object with a
+    ``name`` and this ``sample`` is an engine (the tests' doubles, the gate runtime); lorarl's own engines subclass
+    :class:`DecodeEngine` and inherit this ``sample``, so its signature is written once."""
 
     name: str
 
-    # the Engine protocol's signature, written out in every engine on purpose: a Protocol's method and its
-    # implementations cannot share one def, and each engine's parameters must read as the protocol's
     def sample(
         self,
         shared: SharedBase,
@@ -66,8 +85,20 @@ class Engine(Protocol):
     ) -> Sampled:
         """``group_size`` completions of each prompt (token-id lists), sampled with ``generation``'s temperature /
         top-p / top-k (or greedily), at most ``max_new_tokens`` (default ``generation.max_new_tokens``);
-        ``batch_size`` rows per decode batch (default: all)."""
-        ...
+        ``batch_size`` rows per decode batch (default: all). For a :class:`DecodeEngine`: its ``_sample`` on the
+        call's parameters gathered in a :class:`SampleCall`."""
+        call = SampleCall(prompts, group_size, generation, greedy, max_new_tokens, record_logprobs, batch_size)
+        return cast("DecodeEngine", self)._sample(shared, call)
+
+
+class DecodeEngine(ReusesKV, Engine):
+    """Base of lorarl's own engines (:class:`HFEngine`, :class:`~lorarl.rollout.fast.FastEngine`): the public
+    ``sample`` is :meth:`Engine.sample`'s, which calls :meth:`_sample`; ``with engine.reusing_kv():`` from
+    :class:`~lorarl.rollout.prefix_kv.ReusesKV`."""
+
+    @abstractmethod
+    def _sample(self, shared: SharedBase, call: SampleCall) -> Sampled:
+        """:meth:`Engine.sample` with its parameters after ``shared`` gathered in ``call``."""
 
 
 @torch.no_grad()
@@ -98,7 +129,7 @@ def prefill_cache(shared: SharedBase, input_ids: Tensor, attention_mask: Tensor)
     return output_cache(out)
 
 
-class HFEngine(ReusesKV):
+class HFEngine(DecodeEngine):
     """transformers' ``generate`` (the reference implementation every other engine is tested against). Inside
     ``with engine.reusing_kv():`` a call continues the previous call's rows where its prompts extend them: their
     kept keys / values go to ``generate`` as its cache, which then computes only the new prompt tokens
@@ -106,31 +137,19 @@ class HFEngine(ReusesKV):
 
     name = "hf"
 
-    # the Engine protocol's signature, written out in every engine on purpose: a Protocol's method and its
-    # implementations cannot share one def, and each engine's parameters must read as the protocol's
-    def sample(
-        self,
-        shared: SharedBase,
-        prompts: list[list[int]],
-        group_size: int,
-        generation: GenerationConfig,
-        *,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-        record_logprobs: bool = False,
-        batch_size: int | None = None,
-    ) -> Sampled:
+    def _sample(self, shared: SharedBase, call: SampleCall) -> Sampled:
+        prompts, group_size, batch_size = call.prompts, call.group_size, call.batch_size
         pad_id = shared.pad_id
         rows = [p for p in prompts for _ in range(group_size)]  # [N] grouped: G copies of each prompt in a row
         prompt_ids, prompt_mask = pad_left(rows, pad_id)
         n, P = len(rows), prompt_ids.shape[1]
-        recorder = SamplerLogprobs() if record_logprobs else None
+        recorder = SamplerLogprobs() if call.record_logprobs else None
         kwargs = generation_kwargs(
-            generation,
-            greedy=greedy,
+            call.generation,
+            greedy=call.greedy,
             eos_ids=shared.eos_ids,
             pad_id=pad_id,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=call.max_new_tokens,
             recorder=recorder,
         )
         chunks: list[tuple[int, Tensor, Tensor | None]] = []

@@ -31,16 +31,16 @@ import torch
 from torch import Tensor
 
 from lorarl.kernels.lora_decode import kernel_decode
+from lorarl.rollout.engines import DecodeEngine, HFEngine, SampleCall, Sampled
 from lorarl.rollout.fast.graphs import pool_for
 from lorarl.rollout.fast.sampling import SamplerSettings, cache_length
 from lorarl.rollout.fast.state import DecodeState, cache_layers, prefill, unique_prompts
-from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
+from lorarl.rollout.prefix_kv import KeptRows, fed_columns
 from lorarl.runstate import abandon_if_stopped
 
 if TYPE_CHECKING:
     from lorarl.config import GenerationConfig
     from lorarl.model import SharedBase
-    from lorarl.rollout.engines import Sampled
 
 GRAPH_BUCKET = 64  # with CUDA graphs the cache length is rounded up to this, so prompt lengths share a capture
 DEFAULT_EOS_CHECK_EVERY = 8
@@ -94,7 +94,7 @@ def sampler_settings(generation: GenerationConfig, greedy: bool, record: bool, d
     return s
 
 
-class FastEngine(ReusesKV):
+class FastEngine(DecodeEngine):
     """The static-cache decode engine (see the module doc). ``cuda_graphs`` / ``eos_check_every`` override the
     recipe's ``generation.cuda_graphs`` / ``generation.eos_check_every``; ``draw`` picks how sampled tokens are drawn
     (``race``: ``torch.multinomial``'s own algorithm, the default on CUDA; ``inverse_cdf``: the default on CPU).
@@ -122,36 +122,21 @@ class FastEngine(ReusesKV):
         self.nf4_kernel = nf4_kernel
         self.kernel_reason: str | None = "not run yet"
 
-    # the Engine protocol's signature, written out in every engine on purpose: a Protocol's method and its
-    # implementations cannot share one def, and each engine's parameters must read as the protocol's
-    def sample(
-        self,
-        shared: SharedBase,
-        prompts: list[list[int]],
-        group_size: int,
-        generation: GenerationConfig,
-        *,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-        record_logprobs: bool = False,
-        batch_size: int | None = None,
-    ) -> Sampled:
-        from lorarl.rollout.engines import HFEngine, Sampled
-
+    def _sample(self, shared: SharedBase, call: SampleCall) -> Sampled:
         reason = unsupported_reason(shared)
         if reason is not None:
-            warnings.warn(f"generation.engine fast: {reason}; using hf", stacklevel=2)
-            options = {"greedy": greedy, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+            warnings.warn(f"generation.engine fast: {reason}; using hf", stacklevel=3)  # sample's caller
             hf = HFEngine()
             hf.prefix_kv = self.prefix_kv
-            return hf.sample(shared, prompts, group_size, generation, record_logprobs=record_logprobs, **options)
+            return hf.sample(shared, **call.keywords())
+        prompts, group_size, generation = call.prompts, call.group_size, call.generation
         draw = self.draw or ("race" if shared.device.type == "cuda" else "inverse_cdf")
-        sampler = sampler_settings(generation, greedy, record_logprobs, draw)
-        C = int(max_new_tokens or generation.max_new_tokens)
+        sampler = sampler_settings(generation, call.greedy, call.record_logprobs, draw)
+        C = int(call.max_new_tokens or generation.max_new_tokens)
         rows = [i for i in range(len(prompts)) for _ in range(group_size)]  # [N] grouped, prompt index per row
-        n, step = len(rows), batch_size or len(rows)
+        n, step = len(rows), call.batch_size or len(rows)
         ids = torch.full((n, C), shared.pad_id, dtype=torch.long)
-        logprobs = torch.zeros(n, C) if record_logprobs else None
+        logprobs = torch.zeros(n, C) if call.record_logprobs else None
         width, self.steps_run = 1, 0
         if self.prefix_kv is not None:
             self.prefix_kv.begin()
