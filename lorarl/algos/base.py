@@ -20,12 +20,15 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from lorarl.config import Recipe, TrainConfig
 from lorarl.core.schedules import make_scheduler
+
+if TYPE_CHECKING:
+    from lorarl.update import NonFiniteGuard
 
 
 class Algorithm(Protocol):
@@ -52,6 +55,20 @@ class Algorithm(Protocol):
     def evaluate(self) -> dict: ...
 
     def finish(self, run_dir, history: list[dict]) -> dict: ...
+
+
+class GuardState:
+    """``state_dict`` / ``load_state_dict`` of an algorithm whose only state beyond adapters, optimizers and RNGs is
+    its non-finite-update guard ``self.guard`` (:class:`lorarl.update.NonFiniteGuard`: the updates skipped in a
+    row, so a resumed run stops where the uninterrupted one would). The checkpoint holds ``{"guard": ...}``."""
+
+    guard: NonFiniteGuard
+
+    def state_dict(self) -> dict:
+        return {"guard": self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.guard.load_state_dict(state["guard"])
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from lorarl.algos.base import (
+    GuardState,
     batch_indices,
     evaluate_policy,
     load_train_prompts,
@@ -158,7 +159,7 @@ class OnlineBatch:
     prompt_index: list[int]
 
 
-class OnlineDPO:
+class OnlineDPO(GuardState):
     """The policy adapter trained on its own ranked samples against the reference: set-up, then :meth:`step`."""
 
     name = "online_dpo"
@@ -279,12 +280,6 @@ class OnlineDPO:
 
     def progress(self, row: dict) -> dict:
         return {"loss": f"{row['loss']:.3f}", "reward": f"{row.get('reward', float('nan')):.2f}"}
-
-    def state_dict(self) -> dict:
-        return {"guard": self.guard.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.guard.load_state_dict(state["guard"])
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy adapter at ``run_dir/policy``; the summary's fields."""

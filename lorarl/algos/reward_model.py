@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorarl.algos.base import batch_indices, micro_batch_rows, tail_mean, trained_role
+from lorarl.algos.base import GuardState, batch_indices, micro_batch_rows, tail_mean, trained_role
 from lorarl.config import Recipe
 from lorarl.core.losses import bradley_terry_loss
 from lorarl.core.schedules import advance
@@ -174,7 +174,7 @@ def bt_loss(
     return per_pair.sum() / batch_pairs, stats
 
 
-class RewardModel:
+class RewardModel(GuardState):
     """The reward adapter + score head on the shared base, trained on preference pairs: set-up, then :meth:`step`."""
 
     name = "reward_model"
@@ -250,12 +250,6 @@ class RewardModel:
 
     def progress(self, row: dict) -> dict:
         return {"loss": f"{row['loss']:.3f}", "acc": f"{row.get('accuracy', float('nan')):.2f}"}
-
-    def state_dict(self) -> dict:
-        return {"guard": self.guard.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.guard.load_state_dict(state["guard"])
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The reward adapter + head at ``run_dir/reward``, the held-out result in ``eval.json``; summary fields."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorarl.algos.base import batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
+from lorarl.algos.base import GuardState, batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
 from lorarl.config import Recipe
 from lorarl.core.schedules import advance
 from lorarl.data.sft import SFTSet, load_sft
@@ -172,7 +172,7 @@ def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int
     return completion_nll(logprobs, mask, total_tokens), {}
 
 
-class SFT:
+class SFT(GuardState):
     """The policy adapter trained on supervised examples: set-up, then :meth:`step` per batch."""
 
     name = "sft"
@@ -258,12 +258,6 @@ class SFT:
 
     def progress(self, row: dict) -> dict:
         return {"loss": f"{row['loss']:.3f}"}
-
-    def state_dict(self) -> dict:
-        return {"guard": self.guard.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.guard.load_state_dict(state["guard"])
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy adapter at ``run_dir/policy``; the summary's SFT fields."""
