@@ -74,6 +74,7 @@ def part_env(ctx: PartContext) -> dict:
 def part_hf_profile(ctx: PartContext) -> dict:
     """HF ``generate``'s decode step under the profiler, per batch size, against the weight-streaming bound."""
     from lorarl.bench import rollout as rb
+    from lorarl.bench.rollout_report import ratio
     from lorarl.rollout.engines import HFEngine
 
     s = ctx.settings
@@ -89,8 +90,8 @@ def part_hf_profile(ctx: PartContext) -> dict:
             "batch": b,
             **prof,
             "bound_ms": round(bound_ms, 6),
-            "wall_over_bound": rb.ratio(prof["wall_ms_per_step"], bound_ms),
-            "device_over_bound": rb.ratio(prof["device_ms_per_step"], bound_ms),
+            "wall_over_bound": ratio(prof["wall_ms_per_step"], bound_ms),
+            "device_over_bound": ratio(prof["device_ms_per_step"], bound_ms),
         }
         rows.append(row)
         top = row["top_9_tokens"][0]["op"] if row["top_9_tokens"] else "-"
@@ -150,7 +151,7 @@ def part_rollout(ctx: PartContext) -> dict:
 
 
 def rollout_line(r: dict) -> str:
-    from lorarl.bench.rollout import kernel_text
+    from lorarl.bench.rollout_report import kernel_text
 
     fast = r["fast"]
     fails = fast.get("graph_failures") or {}
