@@ -244,6 +244,50 @@ def test_chunk_tokens_bounds_every_head_call_and_changes_no_value():
     torch.testing.assert_close(g, hidden.grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_chunk_equals_the_checkpointed_path_bit_for_bit(dtype, temperature):
+    """An entropy that is only logged (``entropy_grad=False``) takes :class:`ChunkLogprobs`; an entropy bonus the
+    checkpointed autograd path. Where both apply (the loss reads only the log-probs) they must agree exactly: the
+    log-probs, the logged entropy and the gradient into the hidden states, with a banned (-inf) token, a soft-capped
+    head (Gemma-2's transform) and masked positions whose gradient is 0."""
+    from lorarl.model.chunked import ChunkLogprobs
+
+    torch.manual_seed(0)
+    B, T, H, V = 3, 20, 16, 500
+    linear = torch.nn.Linear(H, V, bias=False).to(dtype)
+
+    def head(h):  # the model's own logit transform: soft-capping, then a banned token
+        z = torch.tanh(linear(h) / 30.0) * 30.0
+        return z.masked_fill(torch.arange(V) == 7, float("-inf"))
+
+    hidden0 = torch.randn(B, T, H, dtype=dtype)
+    targets = torch.randint(8, V, (B, T))
+    weights = torch.randn(B, T)
+    weights[:, -3:] = 0.0  # masked positions
+    out = {}
+    for grad_through_entropy in (True, False):
+        hidden = hidden0.clone().requires_grad_(True)
+        lp, ent = chunked_token_logprobs(
+            hidden, head, targets, temperature, chunk_size=6, with_entropy=True, entropy_grad=grad_through_entropy
+        )
+        (lp * weights).sum().backward()
+        out[grad_through_entropy] = (lp.detach(), ent.detach(), hidden.grad)
+        assert ent.requires_grad is grad_through_entropy
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    assert torch.isfinite(out[False][2]).all() and out[False][2][:, -3:].abs().sum() == 0
+    seen = []
+    hidden = hidden0.clone().requires_grad_(True)
+    orig = ChunkLogprobs.apply
+    try:
+        ChunkLogprobs.apply = lambda *a: seen.append(a[0].shape) or orig(*a)
+        chunked_token_logprobs(hidden, head, targets, temperature, chunk_size=6)
+    finally:
+        ChunkLogprobs.apply = orig
+    assert seen == [(B, 6, H)] * 3 + [(B, 2, H)]  # no entropy asked: every chunk through the fused function
+
+
 def test_last_token_index_uses_attention_mask_not_pad_id():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert last_token_index(mask).tolist() == [2, 4, 4]

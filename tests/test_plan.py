@@ -117,7 +117,6 @@ def _peak(**kw):
 @pytest.mark.parametrize(
     "key,small,large",
     [
-        ("micro_batch_size", 2, 8),
         ("max_new_tokens", 64, 512),
         ("prompt_len", 64, 512),
         ("group_size", 4, 16),
@@ -131,6 +130,8 @@ def test_peak_grows_with_each_size(key, small, large):
 
 
 def test_training_grows_with_micro_batch_and_generation_does_not():
+    # (the micro-batch is not in test_peak_grows_with_each_size: with the fused logits chunk the training phase of
+    # these sizes is below generation's, so the step's peak does not move with it)
     a, b = _peak(micro_batch_size=2), _peak(micro_batch_size=8)
     assert a["phases"]["training"] < b["phases"]["training"]
     assert a["phases"]["generation"] == b["phases"]["generation"]

@@ -85,7 +85,7 @@ def test_dpo_phases_by_hand():
         "checkpoints": L * 8 * 256 * H * 2,  # every group's checkpoints live until the micro-batch's backward
         "final_hidden": 8 * 256 * H * (2 * 2 + 4),
     }
-    logits = {**kept, "logits_chunk": 4 * 128 * V * (2 + 16)}  # one group's chunk, no entropy
+    logits = {**kept, "logits_chunk": 4 * 128 * V * (2 + 8)}  # one group's chunk, fused (no entropy)
     layer = {
         **kept,
         "layer_recompute": 4 * 256 * per_layer,
@@ -124,8 +124,15 @@ def test_dpo_reference_layer_moment_and_frozen_reference_adapter():
 
 def test_dpo_groups_simpo_and_sizes():
     one_group = _dpo(max_tokens_per_forward=0)["breakdown"]["training"]
-    assert one_group["logits_chunk"] == 8 * 128 * V * 18  # all R = 8 rows in one forward
-    assert _dpo(max_tokens_per_forward=100)["breakdown"]["training"]["logits_chunk"] == 1 * 128 * V * 18  # >= 1 row
+    assert one_group["logits_chunk"] == 8 * 128 * V * 10  # all R = 8 rows in one forward (fused: dt + 8)
+    from lorarl.plan.dpo import dpo_training_moments
+    from lorarl.plan.settings import PlanSettings, step_sizes
+
+    shape = model_shape("llama-3.1-8b")
+    fields = PlanSettings.__dataclass_fields__
+    s = PlanSettings(**{k: v for k, v in _dpo(max_tokens_per_forward=100)["settings"].items() if k in fields})
+    # >= 1 row per forward (its chunk of logits is then below the layer moment, so read the logits moment itself)
+    assert dpo_training_moments(shape, s, step_sizes(shape, s))["logits"]["logits_chunk"] == 1 * 128 * V * 10
     simpo = _dpo(dpo_reference=False)
     assert simpo["moments"]["reference"] == "not run" and simpo["breakdown"]["reference"] == {}
     assert _dpo(micro_batch_size=8)["phases"]["training"] > _dpo()["phases"]["training"]  # checkpoints grow with R

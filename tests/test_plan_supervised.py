@@ -58,7 +58,7 @@ def test_sft_phases_by_hand():
     assert set(est["phases"]) == {"training", "optimizer"}
     # R = 4 examples of 256 tokens in one forward; the loss's chunk of logits recomputed in backward, no entropy
     kept = {"lora_grads": 4 * n, "checkpoints": L * 4 * 256 * H * 2, "final_hidden": 4 * 256 * H * (2 * 2 + 4)}
-    logits = {**kept, "logits_chunk": 4 * 128 * V * (2 + 16)}
+    logits = {**kept, "logits_chunk": 4 * 128 * V * (2 + 8)}  # the fused chunk (terms.LOGIT_BYTES_FUSED)
     assert est["moments"]["training"] == "logits" and est["breakdown"]["training"] == logits
     assert _plan("sft", micro_batch_size=8)["phases"]["training"] > est["phases"]["training"]
     assert "static_kv_cache" not in est["breakdown"]["persistent"]  # SFT samples nothing

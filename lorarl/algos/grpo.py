@@ -207,7 +207,10 @@ def grpo_loss(
     mb = rollout.select(rows)
     mask = loss_mask[rows].to(shared.device)  # [B, T]
     with shared.role(POLICY, train=True):
-        logprobs, ent = completion_logprobs(shared, mb, temperature, with_entropy=True)  # [B, T] each
+        # the entropy is logged; it carries a gradient only for the bonus (entropy_coef > 0)
+        logprobs, ent = completion_logprobs(
+            shared, mb, temperature, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
+        )  # [B, T] each
     old = mb.old_logprobs.to(shared.device) if mb.old_logprobs is not None else logprobs.detach()  # [B, T]
     sampler = mb.sampler_logprobs.to(shared.device) if use_tis else None  # [B, T]
     per_token, stats = grpo_token_loss(

@@ -95,6 +95,7 @@ def policy_loss(shared: SharedBase, cfg, temperature: float, batch: PPOBatch, pt
             mb.prompt_ids.shape[1],
             temperature,
             with_entropy=True,
+            entropy_grad=cfg.entropy_coef > 0,  # logged; a gradient only for the bonus
         )  # [b, T]
     per_token, pstats = ppo_clip_loss(
         logprobs,

@@ -101,10 +101,16 @@ def attention_window(config) -> int | None:
 
 
 def completion_logprobs(
-    shared: SharedBase, batch: TokenBatch, temperature: float, with_entropy: bool = False, share_prompts: bool = True
+    shared: SharedBase,
+    batch: TokenBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[B, T]`` (and entropies) of the completion tokens of ``batch`` under the active role, with
-    gradients if enabled.
+    gradients if enabled (the entropy's only if ``entropy_grad``: an entropy that is only logged costs a chunk's
+    backward no memory, :func:`~lorarl.model.chunked.chunked_token_logprobs`).
 
     With ``share_prompts`` each distinct prompt runs through the model once: its keys / values are indexed out to
     the rows that share it (an exact rewrite of the full forward -- gradients flow back through the shared prompt
@@ -126,9 +132,11 @@ def completion_logprobs(
     )
     if not share_prompts or len(starts) == len(batch) or P < 2 or (checkpointing and not packs_exact):
         ids, att = joined(batch)
-        return shared.token_logprobs(ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy)
+        return shared.token_logprobs(
+            ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy, entropy_grad
+        )
     if checkpointing:
-        return packed_completion_logprobs(shared, batch, temperature, with_entropy)
+        return packed_completion_logprobs(shared, batch, temperature, with_entropy, entropy_grad=entropy_grad)
     from transformers import DynamicCache
 
     dev = shared.device
@@ -153,7 +161,7 @@ def completion_logprobs(
     )
     last_prompt = out.last_hidden_state[:, -1:].index_select(0, rows)  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
-    return shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy)
+    return shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
 
 
 PACK_TOKENS = 1024  # a pack holds one prompt and as many of its completions as fit in this many tokens
@@ -231,6 +239,7 @@ def packed_completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
     pack_tokens: int = PACK_TOKENS,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`completion_logprobs` through prompt-sharing packs (:func:`pack_completions`): one plain forward with
     a 4-D attention mask and no cache, so it works under activation checkpointing. For ``G`` completions of a
@@ -252,6 +261,6 @@ def packed_completion_logprobs(
     where = (packs.pack * L + packs.column).to(dev)  # [B, T] flat positions in the packs
     hidden = out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
     mask = batch.completion_mask.to(dev)
-    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy)
+    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
     lp = lp.masked_fill(~mask, 0.0)
     return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)

@@ -339,18 +339,25 @@ class SharedBase:
         start: int,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Policy / reference: log p(input_ids[:, t] | input_ids[:, :t]) for t >= start, at ``temperature``.
 
-        input_ids, attention_mask [B, L] -> logprobs [B, L - start] fp32 (entropy [B, L - start] if asked).
+        input_ids, attention_mask [B, L] -> logprobs [B, L - start] fp32 (entropy [B, L - start] if asked; with a
+        gradient only if ``entropy_grad``: :func:`~lorarl.model.chunked.chunked_token_logprobs`).
         """
         if start < 1:
             raise ValueError("start must be >= 1 (the first token has no prediction)")
         hidden = self.hidden_states(input_ids, attention_mask)[:, start - 1 : -1]
-        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy)
+        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy, entropy_grad)
 
     def hidden_logprobs(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log softmax(output_head(hidden) / temperature)[targets]: hidden [B, T, H], targets [B, T] -> [B, T] fp32
         (entropy too if asked), a chunk of logits at a time as ``model.logprob_chunk_size`` and
@@ -363,6 +370,7 @@ class SharedBase:
             self.cfg.logprob_chunk_size,
             with_entropy,
             chunk_tokens=self.cfg.logprob_chunk_tokens,
+            entropy_grad=entropy_grad,
         )
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:

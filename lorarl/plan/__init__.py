@@ -75,9 +75,11 @@ caches ``B P kv`` are held in both moments and the forward runs over the complet
 Training (``B = micro_batch_size``, gradient checkpointing on): LoRA gradients + **checkpoints** (each decoder
 layer's input, ``L tokens H dt``) + ``max`` of:
 
-* **a chunk of logits**, recomputed in backward: ``B c V (dt + 18)`` (bf16 logits, the fp32 copy kept for
-  logsumexp, exp, softmax for the entropy the loops log, the gradient and the gather's scatter buffer; ``dt + 16``
-  without entropy) + the last hidden state and its norm ``tokens H (2 dt + 4)`` + the loss's per-token fp32
+* **a chunk of logits**, recomputed in backward: ``B c V (dt + 8)`` through the fused chunk
+  (:class:`lorarl.model.chunked.ChunkLogprobs`: the head's output, one fp32 gradient buffer, its cast; whenever no
+  gradient flows through the entropy), ``B c V (dt + 18)`` with an entropy bonus (``entropy_coef > 0``: bf16
+  logits, the fp32 copy kept for logsumexp, exp, softmax for the entropy, the gradient and the gather's scatter
+  buffer) + the last hidden state and its norm ``tokens H (2 dt + 4)`` + the loss's per-token fp32
   terms ``12 x 4 B C``;
 * **one layer recomputed** with its backward: ``tokens x`` :func:`layer_train_bytes_per_token` (``48 H + 10 I``
   for NF4 + bf16 + fp32 LoRA on all linear layers) + a dequantized projection + the attention mask ``3 B T^2``.

@@ -15,7 +15,7 @@ Prompt sharing between the two rows of a pair is left out, so the figures are an
 * ``training`` (policy, gradients): every group's graph lives until the micro-batch's loss runs backward, so what a
   forward keeps is held for all ``R T`` tokens: the LoRA gradients ``4 n`` + the checkpoints ``L R T H dt`` (without
   checkpointing every layer's saved activations) + the final hidden states ``R T H dt``; on top, the larger of one
-  group's chunk of logits recomputed in backward (``g c V (dt + 16)``, no entropy) and one group's layer recomputed
+  group's chunk of logits recomputed in backward (``g c V (dt + 8)``, the fused chunk) and one group's layer recomputed
   with its backward (``g T x`` per-layer bytes + a dequantized projection + the mask ``3 g T^2``).
 * ``optimizer``: as for GRPO.
 """

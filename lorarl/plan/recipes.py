@@ -137,6 +137,7 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
         gradient_checkpointing=m.gradient_checkpointing,
         kl_coef=grpo.kl.coef if algo == "grpo" else ppo.kl.coef,
         num_iterations=grpo.num_iterations,
+        training_entropy=(grpo.entropy_coef if algo == "grpo" else ppo.entropy_coef) > 0,
         reward_model=recipe.reward.source in ("reward_model", "both"),
         minibatch_size=ppo.minibatch_size if algo == "ppo" else None,
         sampling_filters=g.top_p < 1 or g.top_k > 0,

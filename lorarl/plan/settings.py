@@ -53,7 +53,7 @@ class PlanSettings:
     minibatch_size: int | None = None  # ppo: rows per optimizer step (micro-batches split a minibatch)
     reward_model: bool = True  # ppo: a frozen reward adapter + score head is scored
     sampling_filters: bool = False  # top_p < 1 or top_k > 0
-    training_entropy: bool = True  # the loops compute the policy's entropy in every training forward
+    training_entropy: bool = False  # an entropy bonus (entropy_coef > 0): the entropy carries a gradient
     device: str = "cuda"  # cuda | cpu (the cuBLAS workspace is a CUDA term)
     share_prompts: bool = True  # GRPO rollouts prefill / score each distinct prompt once (lorarl.rollout)
     # GRPO training under checkpointing packs each micro-batch's completions behind their shared prompt

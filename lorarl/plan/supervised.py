@@ -15,7 +15,7 @@ is one adapter's forward + backward over micro-batches, then the optimizer.
 keeps is held for all ``R T`` tokens: the adapter's gradients ``4 n`` + the checkpoints ``L R T H dt`` (without
 checkpointing, every layer's saved activations) + the final hidden states ``R T H dt``; on top, the larger of one
 forward's layer recomputed with its backward (``g T x`` per-layer bytes + a dequantized projection + the mask
-``3 g T^2``) and, for SFT only, one chunk of logits recomputed in backward (``g c V (dt + 16)``).
+``3 g T^2``) and, for SFT only, one chunk of logits recomputed in backward (``g c V (dt + 8)``, the fused chunk).
 """
 
 from __future__ import annotations

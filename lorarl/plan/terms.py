@@ -25,10 +25,11 @@ NF4_CODE_BYTES_PER_TENSOR = 256 * 4 + 16 * 4 + 8  # nested code table + NF4 code
 CUBLAS_WORKSPACE_BYTES = 32 * 1024**2  # allocated through PyTorch's allocator at the first matmul (Hopper)
 LOGIT_BYTES_NO_GRAD = 8  # per [row, position, vocab] element: fp32 logits / T + one fp32 temporary of logsumexp
 LOGIT_BYTES_TRAIN_EXTRA = 18  # + dt: bf16 logits, fp32 copy kept, exp, softmax (entropy), gradient, scatter buffer
-# the part of LOGIT_BYTES_TRAIN_EXTRA that only the entropy needs: 2 (was 6 until SFT's real step on Qwen2.5-0.5B's
-# shape, fp32 CPU, measured dt + 16 without entropy: 4 bytes more per element, scaling with the chunk;
-# docs/memory_planner.md)
-LOGIT_BYTES_ENTROPY = 2
+# + dt: a chunk through lorarl.model.chunked.ChunkLogprobs (no gradient through the entropy: SFT, DPO, GRPO / PPO
+# without an entropy bonus): the head's output, one fp32 buffer for the log-softmax gradient, its cast to dt.
+# Measured on CPU (peak RSS of one chunk's forward + backward, 8 x 128 positions x 49,152): 10.2 bytes per element
+# in bf16, 9.2 in fp32; the autograd path with an entropy gradient took 27.2 there.
+LOGIT_BYTES_FUSED = 8
 SAMPLING_LOGIT_BYTES = 12  # + dt per [row, vocab] element while sampling a token
 SAMPLING_FILTER_BYTES = 16  # + sorted values and int64 indices with top-p / top-k
 LOSS_TERMS_PER_TOKEN = 12  # fp32 per-token tensors of the policy loss alive with the logits chunk
@@ -279,16 +280,17 @@ def scoring_logits_bytes(shape: ModelShape, rows: int, chunk: int, dtype_bytes: 
 
 
 def train_logits_bytes(shape: ModelShape, rows: int, chunk: int, dtype_bytes: int, entropy: bool = True) -> int:
-    """A chunk of logits recomputed in backward: ``B c V (dt + 18)`` (bf16 logits, the fp32 copy kept for
-    logsumexp, exp, softmax for the entropy the loops log, the gradient and the gather's scatter buffer,
-    :data:`LOGIT_BYTES_TRAIN_EXTRA`); ``dt + 16`` without entropy.
+    """A chunk of logits recomputed in backward. With a gradient through the entropy (``entropy``: an entropy
+    bonus, autograd's checkpointed path): ``B c V (dt + 18)`` (bf16 logits, the fp32 copy kept for logsumexp, exp,
+    softmax for the entropy, the gradient and the gather's scatter buffer, :data:`LOGIT_BYTES_TRAIN_EXTRA`).
+    Otherwise (the entropy only logged, or none) the fused chunk: ``B c V (dt + 8)`` (:data:`LOGIT_BYTES_FUSED`).
 
-    4 rows x 128 positions of Llama-3.1-8B in bf16: ``4 x 128 x 128256 x 20`` (``x 18`` without entropy):
+    4 rows x 128 positions of Llama-3.1-8B in bf16: ``4 x 128 x 128256 x 20`` (``x 10`` fused):
 
     >>> train_logits_bytes(shape, 4, 128, 2), train_logits_bytes(shape, 4, 128, 2, entropy=False)
-    (1313341440, 1182007296)
+    (1313341440, 656670720)
     """
-    extra = LOGIT_BYTES_TRAIN_EXTRA if entropy else LOGIT_BYTES_TRAIN_EXTRA - LOGIT_BYTES_ENTROPY
+    extra = LOGIT_BYTES_TRAIN_EXTRA if entropy else LOGIT_BYTES_FUSED
     return rows * chunk * shape.vocab_size * (dtype_bytes + extra)
 
 
