@@ -53,9 +53,15 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         "full-precision one (measure it: python -m lorarl.export.gap)",
     )
     m.skip("model.dtype", r.model.dtype, "the engines compute in bf16 (fp32 master weights)")
-    m.skip("model.logprob_chunk_size", r.model.logprob_chunk_size, "lorarl's memory layout; the engines have their own")
+    for key in ("model.logprob_chunk_size", "model.logprob_chunk_tokens"):
+        m.skip(key, _get(r, key), "lorarl's memory layout; the engines have their own")
     m.skip("generation.engine", r.generation.engine, "the engines sample with vLLM (same distribution: T, top_p)")
-    for key in ("generation.cuda_graphs", "generation.eos_check_every", "generation.nf4_kernel"):
+    for key in (
+        "generation.cuda_graphs",
+        "generation.eos_check_every",
+        "generation.nf4_kernel",
+        "generation.keep_cache",
+    ):
         m.skip(key, _get(r, key), "lorarl's decoder; vLLM has its own CUDA graphs and stopping")
     for key, value in recipe_leaves(recipe_to_dict(r)).items():
         if key.startswith("health."):
