@@ -4,6 +4,7 @@ run itself happens once, there: every part in one go)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -75,6 +76,26 @@ def test_worker_specs_name_each_engine():
         assert spec["budget_gb"] == 24 and spec["quantization"] == "nf4" and spec["lora_r"] == 16
 
 
+def test_the_plan_of_the_8b_rows_at_1024_tokens(tmp_path, capsys):
+    """The planner's view of the step part's Llama-3.1-8B rows at 1024 new tokens on 24 GB (what each GPU row
+    records beside its measured peak): GRPO frees the fast engine's cache after each rollout and decodes 64 rows
+    at once (21.2 GB with context and slack); PPO's no-grad scoring of 64 rows at once would need 30.0 GB, so it
+    decodes and scores 32 at a time (19.7 GB)."""
+    settings = STEP_FULL | {"models": ["llama-3.1-8b"], "new_tokens": [1024]}
+    grpo, ppo = step.plan_rows(settings, tmp_path)
+    assert (grpo["algo"], grpo["generation_batch"], grpo["keep_cache"]) == ("grpo", 64, False)
+    assert grpo["peak_total_gb"] == grpo["one_batch_total_gb"] == pytest.approx(21.2, abs=0.05)
+    assert (ppo["algo"], ppo["generation_batch"], ppo["keep_cache"]) == ("ppo", 32, False)
+    assert ppo["one_batch_total_gb"] == pytest.approx(30.0, abs=0.05) and ppo["one_batch_total_gb"] > 24
+    assert ppo["peak_total_gb"] == pytest.approx(19.7, abs=0.05) and ppo["peak_phase"] == "scoring"
+    assert step.main(["plan", "--quick"]) == 0  # the command the docs name: one JSON line per lorarl row
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["model"], r["algo"], r["new_tokens"]) for r in lines] == [
+        ("qwen2.5-1.5b", "grpo", 256),
+        ("qwen2.5-1.5b", "ppo", 256),
+    ]
+
+
 def check_step_record(rec: dict) -> None:
     """The smoke mode's ``step.json`` (tiny NF4 model, 2 prompts x 2, 4 new tokens, 2 steps, on this CPU)."""
     res = rec["result"]
@@ -99,10 +120,14 @@ def check_step_record(rec: dict) -> None:
         assert r["memory_ratio"] == pytest.approx(lo["peak_gb"] / peer["peak_gb"], rel=1e-3)
         assert r["trl"]["trl-cb"]["continuous_batching"] is True and r["trl"]["trl"]["continuous_batching"] is False
         assert math.isfinite(r["time_ratio"]) and math.isfinite(r["memory_ratio"])
+        plan = lo["plan"]  # the planner's view on a 24 GB card: micro-batch 2 as written, the 4 rows in one batch
+        assert (plan["micro_batch"], plan["generation_batch"], plan["keep_cache"]) == (2, 4, True), plan
+        assert 0 < plan["peak_gb"] < plan["peak_total_gb"] == plan["one_batch_total_gb"], plan
     assert "critic_training" in rows[1]["lorarl"]["phase_seconds"]  # the PPO step trained its critic too
     assert rows[1]["lorarl"]["scoring_s"] > 0  # ... and scored with the reward adapter, reference and critic
     assert res["budget_gb"] == 24 and "Unsloth is not a column" in res["unsloth"]
     assert any("GRPO 4 rows x 4 new tokens" in h and "time ratio" in h for h in rec["headline"])
+    assert any("(planned " in h and "generation batch 4, keep_cache true)" in h for h in rec["headline"])
     assert rec["headline"][-1] == res["unsloth"]
 
 

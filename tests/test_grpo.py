@@ -435,3 +435,40 @@ def test_std_scaling_through_the_loop(scaling, peaky_model_dir, reward_file, mon
     want[(r == mu).all(dim=1)] = 0.0  # zero-spread groups: exactly 0
     assert calls, "no group had a reward spread (nothing trained)"
     torch.testing.assert_close(calls[0]["adv"].double(), want.flatten(), rtol=1e-5, atol=1e-6)
+
+
+def test_generation_batch_size_splits_a_training_rollout(peaky_model_dir, reward_file, monkeypatch):
+    """``generation.batch_size: 4`` on a step of 3 prompts x 4 samples: the engine decodes 4 rows per call and the
+    old log-probs (num_iterations 2) are scored 4 rows per forward, and the rollout still holds all 12 rows in
+    the prompts' order; ``auto`` on a CPU decodes and scores the 12 rows at once (what every CPU figure measured)."""
+    import lorarl.rollout.generate as gen_mod
+    from lorarl.algos.grpo import GRPO
+
+    decoded: list[int] = []
+    scored: list[int] = []
+    real_generate, real_logprobs = SharedBase.generate, gen_mod.completion_logprobs
+
+    def spy_generate(self, input_ids, *a, **kw):
+        decoded.append(int(input_ids.shape[0]))
+        return real_generate(self, input_ids, *a, **kw)
+
+    def spy_logprobs(shared, rollout, *a, **kw):
+        scored.append(len(rollout))
+        return real_logprobs(shared, rollout, *a, **kw)
+
+    monkeypatch.setattr(SharedBase, "generate", spy_generate)
+    monkeypatch.setattr(gen_mod, "completion_logprobs", spy_logprobs)
+    for batch_size, want in [(4, [4, 4, 4]), ("auto", [12])]:
+        recipe = tiny_recipe(
+            peaky_model_dir,
+            reward_file,
+            train={"steps": 1, "prompts_per_step": 3},
+            grpo={"group_size": 4, "num_iterations": 2},
+            generation={"batch_size": batch_size},
+        )
+        decoded.clear(), scored.clear()
+        algo = GRPO(recipe, SharedBase.load(recipe.model))
+        batch = algo.batch(1)
+        rollout, _ = algo.sample_round(batch.prompt_index, 1, record_sampler=False)
+        assert decoded == want and scored == want, (batch_size, decoded, scored)
+        assert len(rollout) == 12 and rollout.prompt_index == [i for i in batch.prompt_index for _ in range(4)]

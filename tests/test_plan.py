@@ -399,3 +399,43 @@ def test_keep_cache_auto_frees_the_static_cache_where_holding_it_costs_training(
         assert est["breakdown"]["generation"]["static_kv_cache"] == cache
     written = load_recipe(REPO / "recipes" / "grpo_gsm8k.yaml", [*over, f"generation.keep_cache={not keep}"])
     assert resolve_keep_cache(written, "cuda", budget_gb=24) is (not keep)
+
+
+def test_generation_batch_auto_splits_a_rollout_only_where_one_batch_does_not_fit(capsys):
+    """PPO, 64 prompts of 96 + 1024 tokens, micro-batch 8, 24 GB: Llama-3.1-8B's no-grad scoring of all 64 rows at
+    once needs 29.4 GB with the context and slack, 32 rows at a time 19.5 GB, so ``generation.batch_size: auto``
+    resolves to 32 on CUDA (the step bench's 8B PPO row was 25.1 GB in one batch); Qwen2.5-1.5B fits in one batch
+    (None). A CPU run decodes in one batch; a written size is used as written, on any device. ``lorarl plan`` shows
+    the size a run uses and plans the phases with it."""
+    from lorarl.cli import main
+    from lorarl.config import load_recipe
+    from lorarl.plan.recipes import recipe_model_shape, recipe_settings, resolve_generation_batch
+    from lorarl.plan.terms import GB
+
+    path = REPO / "recipes" / "ppo.yaml"
+    over = ["generation.max_new_tokens=1024", "train.prompts_per_step=64", "model.gradient_checkpointing=true"]
+    big = load_recipe(path, [*over, "model.name=meta-llama/Llama-3.1-8B-Instruct"])
+    assert resolve_generation_batch(big, "cuda", budget_gb=24) == 32
+    assert resolve_generation_batch(big, "cpu") is None
+    shape = recipe_model_shape(big)
+    s = recipe_settings(big, shape=shape, budget_bytes=24 * GB)
+    one = estimate_memory(shape, s, micro_batch_size=8)
+    split = estimate_memory(shape, s, micro_batch_size=8, generation_batch_size=32)
+    assert one["peak_total_bytes"] > 24 * GB >= split["peak_total_bytes"]
+    assert one["peak_phase"] == split["peak_phase"] == "scoring"
+    small = load_recipe(path, [*over, "model.name=Qwen/Qwen2.5-1.5B-Instruct"])
+    assert resolve_generation_batch(small, "cuda", budget_gb=24) is None
+    written = load_recipe(path, [*over, "model.name=meta-llama/Llama-3.1-8B-Instruct", "generation.batch_size=16"])
+    assert resolve_generation_batch(written, "cuda", budget_gb=24) == 16
+    assert resolve_generation_batch(written, "cpu") == 16
+    assert recipe_settings(written, shape=shape, budget_bytes=24 * GB).generation_batch_size == 16
+
+    argv = ["plan", str(path), "--model-config", "llama-3.1-8b", *over]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["run_sizes"] == [8, 32] and result["fits"] and result["settings"]["generation_rows"] == 32
+    assert any("generation batch: auto as written, 32 of 64 rows" in line for line in out[:-1])
+    main([*argv, "generation.batch_size=64"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["run_sizes"] == [8, 64] and not result["fits"]

@@ -35,14 +35,17 @@ class StepRollout:
 RolloutFn = Callable[..., StepRollout]
 
 
-def make_step_rollout(recipe, shared, prompts) -> RolloutFn:
+def make_step_rollout(recipe, shared, prompts, batch_size: int | None = None) -> RolloutFn:
     """``fn(prompt_index, *, group_size, role, record_old, reference, record_sampler) -> StepRollout`` for the
-    recipe: multi-turn when ``recipe.agent`` is set (its tools and template checked now), else single-turn."""
+    recipe: multi-turn when ``recipe.agent`` is set (its tools and template checked now), else single-turn.
+    ``batch_size``: rows decoded and scored at once unless a call passes its own (None: all of a call's rows;
+    training passes ``generation.batch_size`` resolved, :func:`lorarl.algos.base.rollout_batch`)."""
     gen = recipe.generation
     if recipe.agent is None:
 
         def single_turn(prompt_index: list[int], **kw) -> StepRollout:
             ids = [prompts.token_ids[i] for i in prompt_index]
+            kw.setdefault("batch_size", batch_size)
             return StepRollout(generate_rollout(shared, ids, gen, prompt_index=prompt_index, **kw))
 
         return single_turn
@@ -57,6 +60,7 @@ def make_step_rollout(recipe, shared, prompts) -> RolloutFn:
 
     def multi_turn(prompt_index: list[int], **kw) -> StepRollout:
         rows = [prompts.rows[i] for i in prompt_index]
+        kw.setdefault("batch_size", batch_size)
         out = agent_rollout(shared, agent, rows, gen, prompt_index=prompt_index, **kw)
         env_cls, metrics = agent.resolved.environment, out.stats.metrics()
         env = out.env_rewards if env_cls is not None else None

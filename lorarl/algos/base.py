@@ -138,6 +138,22 @@ def planned_micro_batch(recipe: Recipe, device_type: str) -> int | None:
     return resolve_micro_batch(recipe, device_type=device_type)
 
 
+def rollout_batch(recipe: Recipe, device_type: str) -> int | None:
+    """Rows a training rollout decodes and scores at once (``generation.batch_size``; None: all of the step's rows),
+    :func:`lorarl.plan.recipes.resolve_generation_batch`. When ``auto`` splits the step (CUDA, the rollout would
+    not fit the card in one batch) one line on stderr says so."""
+    from lorarl.plan.recipes import resolve_generation_batch
+
+    batch = resolve_generation_batch(recipe, device_type)
+    if batch is not None and recipe.generation.batch_size == "auto":
+        print(
+            f"generation.batch_size auto -> {batch}: each rollout decodes and scores {batch} rows at a time (all of "
+            "the step's rows at once would not fit the card; `lorarl plan` shows the phases)",
+            file=sys.stderr,
+        )
+    return batch
+
+
 def load_train_prompts(recipe: Recipe, tokenizer):
     """The training prompts; skipped bad rows (``data.on_bad_row: skip``) are reported on stderr."""
     from lorarl.data import load_prompts

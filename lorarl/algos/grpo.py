@@ -38,6 +38,7 @@ from lorarl.algos.base import (
     load_train_prompts,
     micro_batch_rows,
     planned_micro_batch,
+    rollout_batch,
     tail_mean,
     trained_role,
 )
@@ -265,7 +266,7 @@ class GRPO:
         self.outputs, self.final_eval = [POLICY], False
         self.planned_mbs = planned_micro_batch(recipe, shared.device.type)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
-        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts)
+        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts, rollout_batch(recipe, shared.device.type))
         self.agent_metrics: dict = {}  # turns, tool calls, ... of the last rollout (multi-turn only)
         self.source = reward_source(
             recipe, shared, micro_batch_rows(recipe.eval.batch_size, tcfg.prompts_per_step * cfg.group_size)

@@ -46,6 +46,7 @@ from lorarl.algos.base import (
     load_train_prompts,
     micro_batch_rows,
     planned_micro_batch,
+    rollout_batch,
     tail_mean,
     trained_role,
 )
@@ -188,6 +189,7 @@ class OnlineDPO(GuardState):
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
         self.loss_fn = functools.partial(combined_loss, losses=cfg.losses, beta=cfg.beta)
         self.eval_result: dict | None = None
+        self.rollout_rows = rollout_batch(recipe, shared.device.type)  # generation.batch_size
 
     def batch(self, step: int) -> OnlineBatch:
         """1. Step ``step``'s prompts, derived from ``(seed, step)``."""
@@ -207,6 +209,7 @@ class OnlineDPO(GuardState):
             group_size=cfg.group_size,
             role=POLICY,
             prompt_index=prompt_index,
+            batch_size=self.rollout_rows,
         )
 
         # 3. Rewards, then the ranking --------------------------------------------------------------------------------

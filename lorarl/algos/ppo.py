@@ -51,6 +51,7 @@ from lorarl.algos.base import (
     load_train_prompts,
     micro_batch_rows,
     planned_micro_batch,
+    rollout_batch,
     step_seed,
     tail_mean,
     trained_role,
@@ -158,7 +159,8 @@ class PPO:
         cfg, tcfg = recipe.ppo, recipe.train
         self.source = setup_roles(shared, recipe)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
-        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts)
+        rollout_rows = rollout_batch(recipe, shared.device.type)  # generation.batch_size (None: all rows at once)
+        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts, rollout_rows)
         self.gae = gae_skipping if recipe.agent is not None else gae  # multi-turn: GAE skips the tool tokens
         self.ptx = load_ptx_texts(cfg.ptx.source, shared.tokenizer, recipe.source_path) if cfg.ptx.coef > 0 else None
         self.need_ref = cfg.kl.coef > 0  # beta = 0 and fixed: the reference never runs
@@ -179,7 +181,8 @@ class PPO:
         self.mbs = micro_batch_rows(
             tcfg.micro_batch_size, min(N, cfg.minibatch_size), planned_micro_batch(recipe, shared.device.type)
         )
-        self.fwd_bs = micro_batch_rows(recipe.eval.batch_size, N)  # rows per no-grad forward (scores, values)
+        # rows per no-grad forward (scores, values): eval.batch_size, at most the rollout's scoring batch
+        self.fwd_bs = min(micro_batch_rows(recipe.eval.batch_size, N), rollout_rows or N)
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
         self.total_steps = self.last_step = tcfg.steps
         self.parity_tolerance = parity_tolerance(recipe, shared.device.type)

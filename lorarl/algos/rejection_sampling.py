@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorarl.algos.base import batch_indices, load_train_prompts, micro_batch_rows
+from lorarl.algos.base import batch_indices, load_train_prompts, micro_batch_rows, rollout_batch
 from lorarl.config import Recipe
 from lorarl.errors import DataError
 from lorarl.model import SharedBase
@@ -192,6 +192,7 @@ class RejectionSampling:
         self.total_steps = self.last_step = tcfg.steps
         self.kept: list[dict] = []
         self.tally = Tally()
+        self.rollout_rows = rollout_batch(recipe, shared.device.type)  # generation.batch_size
 
     def batch(self, step: int) -> list[int]:
         """Step ``step``'s prompts: consecutive slices of a per-epoch shuffle (no prompt twice within an epoch)."""
@@ -210,6 +211,7 @@ class RejectionSampling:
             group_size=G,
             role=self.sampler,
             prompt_index=batch,
+            batch_size=self.rollout_rows,
         )
         # 2. Scores: the recipe's verifiers, as RL scores them ---------------------------------------------------
         scored = self.source.score_rollout(self.prompts, rollout)

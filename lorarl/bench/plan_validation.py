@@ -132,6 +132,7 @@ def validation_recipe(args, algo: str, work: Path, vocab: int):
         section = {"epochs": 1, "minibatch_size": n, "kl": {"coef": 0.05}, "critic": {"lora": lora}}
         reward = {"source": "reward_model", "adapter": str(work / "reward")}
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    prompt_cap = args.prompt_len if algo in ("grpo", "ppo") else max(512, args.prompt_len)
     d = {
         "algo": algo,
         "model": {
@@ -142,7 +143,9 @@ def validation_recipe(args, algo: str, work: Path, vocab: int):
             "logprob_chunk_size": args.chunk,
         },
         "lora": lora,
-        "data": {"source": str(data), "max_prompt_tokens": max(512, args.prompt_len), "eval_size": 1},
+        # GRPO / PPO: the planner (generation.batch_size / keep_cache auto) reads the prompt length from
+        # max_prompt_tokens, so it is the prompts' longest; the fixed-length rows take theirs from max_length
+        "data": {"source": str(data), "max_prompt_tokens": prompt_cap, "eval_size": 1},
         "reward": reward,
         "generation": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "engine": args.engine},
         "train": {

@@ -147,6 +147,52 @@ def row_ratios(lorarl: dict, peers: dict[str, dict]) -> dict[str, Any]:
     return {"peer": best, **by_peer[best], "ratios_by_peer": by_peer}
 
 
+def plan_row(recipe, budget_gb: float) -> dict[str, Any]:
+    """The planner's view of a lorarl row on a CUDA card held to ``budget_gb``: the sizes the run resolves to
+    (``train.micro_batch_size``, ``generation.batch_size``, ``generation.keep_cache``;
+    :func:`lorarl.plan.recipes.run_sizes`) and the step's predicted peak with them, allocated (what ``peak_gb``
+    measures on CUDA: the GPU run validates it) and with the CUDA context and allocator slack (what must fit the
+    budget), and the latter with the whole rollout in one batch."""
+    from lorarl.plan import estimate_memory
+    from lorarl.plan.recipes import recipe_model_shape, recipe_settings, run_sizes
+
+    shape = recipe_model_shape(recipe)
+    s = recipe_settings(recipe, shape=shape, budget_bytes=budget_gb * GB)
+    micro, gen = run_sizes(recipe, shape, s, budget_gb * GB)
+    est = estimate_memory(shape, s, micro_batch_size=micro, generation_batch_size=gen)
+    one = estimate_memory(shape, s, micro_batch_size=micro, generation_batch_size=None)
+    return {
+        "micro_batch": micro,
+        "generation_batch": gen,
+        "keep_cache": s.keep_cache,
+        "peak_gb": round(est["peak_bytes"] / GB, 3),
+        "peak_total_gb": round(est["peak_total_bytes"] / GB, 3),
+        "peak_phase": est["peak_phase"],
+        "one_batch_total_gb": round(one["peak_total_bytes"] / GB, 3),
+    }
+
+
+def plan_rows(settings: dict, work: Path) -> list[dict[str, Any]]:
+    """:func:`plan_row` for every lorarl row of ``settings`` (the step part's models x lengths x GRPO / PPO),
+    from the recipes the workers build (a model folder holding only ``config.json``; nothing is loaded)."""
+    from lorarl.bench.plan_validation import shape_dict, validation_recipe
+    from lorarl.bench.synthetic import shape_config
+
+    out = []
+    for model in settings["models"]:
+        d = shape_dict(model)
+        for new_tokens in settings["new_tokens"]:
+            for algo in ("grpo", "ppo"):
+                spec = worker_spec(settings, "cuda", model, new_tokens, f"lorarl-{algo}")
+                where = work / f"{model}-{new_tokens}-{algo}"
+                shape_config(d).save_pretrained(where / "model")
+                recipe = validation_recipe(lorarl_args(spec, where), algo, where, d["vocab_size"])
+                out.append(
+                    {"model": model, "algo": algo, "new_tokens": new_tokens, **plan_row(recipe, spec["budget_gb"])}
+                )
+    return out
+
+
 # ---- the workers (one process each) -------------------------------------------------------------------------------
 def lorarl_args(spec: dict, work: Path) -> argparse.Namespace:
     """The :mod:`lorarl.bench.plan_validation` settings of the step (its recipe builder reads them)."""
@@ -180,6 +226,7 @@ def worker_lorarl(spec: dict, out: Path) -> dict:
     d = shape_dict(spec["model"])
     shape_config(d).save_pretrained(out / "model")
     recipe = validation_recipe(args, spec["algo"], out, d["vocab_size"])
+    plan = plan_row(recipe, spec["budget_gb"])  # (the sizes below resolve as it says on CUDA)
     reset_peak(spec["device"])
     shared, build_s, n_quant = build_shared(args, d, recipe)
     if spec["algo"] == "ppo":
@@ -202,6 +249,7 @@ def worker_lorarl(spec: dict, out: Path) -> dict:
         "build_s": round(build_s, 1),
         "nf4_projections": n_quant,
         "memory_fraction": fraction,
+        "plan": plan,
     }
 
 
@@ -399,22 +447,44 @@ def headline(result: dict) -> list[str]:
             if r["peer"]
             else "TRL did not run: " + "; ".join(f"{k}: {v.get('error', '')[-160:]}" for k, v in r["trl"].items())
         )
+        plan = lo.get("plan") or {}
+        planned = (
+            f" (planned {plan['peak_gb']} GB; generation batch {plan['generation_batch']}, keep_cache "
+            f"{str(plan['keep_cache']).lower()})"
+            if plan
+            else ""
+        )
         lines.append(
             f"{r['model']} {r['algo'].upper()} {r['rows']} rows x {r['new_tokens']} new tokens: lorarl "
             f"{lo['step_s']} s (generation {lo['generation_s']}, scoring {lo['scoring_s']}, training "
-            f"{lo['training_s']}), {lo['peak_gb']} GB vs {vs}"
+            f"{lo['training_s']}), {lo['peak_gb']} GB{planned} vs {vs}"
         )
     lines.append(result["unsloth"])
     return lines
 
 
 def main(argv: list[str]) -> int:
-    """``python -m lorarl.bench.step _worker SPEC_JSON --out DIR``: one worker; its result as the last JSON line."""
+    """``python -m lorarl.bench.step plan [--quick]``: the planner's view of every lorarl row (:func:`plan_rows`,
+    no model loaded, any machine); ``python -m lorarl.bench.step _worker SPEC_JSON --out DIR``: one worker, its
+    result as the last JSON line."""
     p = argparse.ArgumentParser(prog="python -m lorarl.bench.step")
-    p.add_argument("kind", choices=["_worker"])
-    p.add_argument("spec")
-    p.add_argument("--out", required=True)
+    p.add_argument("kind", choices=["plan", "_worker"])
+    p.add_argument("spec", nargs="?")
+    p.add_argument("--out")
+    p.add_argument("--quick", action="store_true", help="plan: the step part's --quick rows")
     a = p.parse_args(argv)
+    if a.kind == "plan":
+        import tempfile
+
+        from lorarl.bench.gpu import STEP_FULL, quick_settings
+
+        settings = quick_settings()["step"] if a.quick else STEP_FULL
+        with tempfile.TemporaryDirectory() as work:
+            for row in plan_rows(settings, Path(work)):
+                print(json.dumps(row), flush=True)
+        return 0
+    if a.spec is None or a.out is None:
+        p.error("_worker needs SPEC and --out")
     import torch
 
     from lorarl.bench.procs import bench_threads

@@ -179,6 +179,11 @@ class GenerationConfig:
     # capture per step), or free them after each rollout so scoring and training get that memory (false; TRL's
     # vllm_enable_sleep_mode, in spirit); auto = keep when the planner puts the step inside the card with them held
     keep_cache: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    # rows decoded at once in a training rollout, and per no-grad scoring pass of its log-probs (GRPO, PPO, online
+    # DPO, rejection sampling); auto: all of the step's rows, or on CUDA the largest divisor of them whose generation
+    # and scoring fit the card by the planner (`lorarl plan` prints it). Not TRL's generation_batch_size (the rows
+    # sampled per generation across optimizer steps; lorarl samples one step's rows, in batches of this size)
+    batch_size: Union[int, Literal["auto"]] = "auto"  # noqa: UP007
 
     def engine_for(self, device_type: str) -> str:
         """The engine this config decodes with on a ``device_type`` device: ``auto`` is ``fast`` on CUDA (its
@@ -204,6 +209,12 @@ class GenerationConfig:
         check(0 < self.top_p <= 1, where, "generation.top_p", "must be in (0, 1]")
         check(self.top_k >= 0, where, "generation.top_k", "must be >= 0")
         check(self.eos_check_every >= 1, where, "generation.eos_check_every", "must be >= 1")
+        check(
+            self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
+            where,
+            "generation.batch_size",
+            "must be >= 1 or 'auto'",
+        )
 
     def validate_for_training(self, where: str) -> None:
         """Rollouts that train: sampling must be the plain ``softmax(logits / T)`` the log-probs describe."""

@@ -9,7 +9,7 @@ from typing import Any
 from lorarl.config import GRPOConfig, GRPOKLConfig, PPOConfig
 from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
-from lorarl.plan.choice import largest_fitting_micro_batch, pick_micro_batch
+from lorarl.plan.choice import largest_fitting_generation_batch, largest_fitting_micro_batch, pick_micro_batch
 from lorarl.plan.engine import uses_graphs
 from lorarl.plan.estimate import estimate_memory
 from lorarl.plan.judge import judge_settings
@@ -73,19 +73,59 @@ def resolve_keep_cache(recipe, device_type: str, budget_gb: float | None = None)
     keep = recipe.generation.keep_cache
     if keep != "auto":
         return bool(keep)
-    if device_type != "cuda":
-        return True
-    if budget_gb is None:
-        import torch
+    planned = cuda_plan(recipe, budget_gb) if device_type == "cuda" else None
+    return True if planned is None else planned[1].keep_cache
 
-        from lorarl.model.loading import cuda_budget_bytes
 
-        budget_gb = cuda_budget_bytes(torch.device("cuda", torch.cuda.current_device())) / GB
+def cuda_plan(recipe, budget_gb: float | None = None) -> tuple[ModelShape, PlanSettings, float] | None:
+    """``(shape, settings, budget bytes)``: the planner's view of ``recipe`` on a CUDA card of ``budget_gb``
+    (else :func:`cuda_budget_gb`), what each ``auto`` of a run is resolved from; None when the model's shape
+    cannot be read offline."""
+    budget = (cuda_budget_gb() if budget_gb is None else budget_gb) * GB
     try:
         shape = recipe_model_shape(recipe)
     except LorarlError:
-        return True
-    return recipe_settings(recipe, device_type="cuda", shape=shape, budget_bytes=budget_gb * GB).keep_cache
+        return None
+    return shape, recipe_settings(recipe, device_type="cuda", shape=shape, budget_bytes=budget), budget
+
+
+def cuda_budget_gb() -> float:
+    """This process's share of the current CUDA card in GB: its memory x the process's memory fraction
+    (:func:`lorarl.model.loading.cuda_budget_bytes`), the budget every ``auto`` of a run is resolved against."""
+    import torch
+
+    from lorarl.model.loading import cuda_budget_bytes
+
+    return cuda_budget_bytes(torch.device("cuda", torch.cuda.current_device())) / GB
+
+
+def resolve_generation_batch(recipe, device_type: str, budget_gb: float | None = None) -> int | None:
+    """``generation.batch_size`` as the rows a training rollout decodes (and scores without gradient) at once,
+    None for all of the step's rows in one batch. An int is returned as written. ``auto``: None off CUDA (host
+    memory is rarely the limit there, and one batch is what every CPU figure measured) or when the model's shape
+    cannot be read offline; on CUDA the largest divisor of the step's rows whose generation and scoring phases fit
+    ``budget_gb`` (else :func:`cuda_budget_gb`) at the run's micro-batch (``train.micro_batch_size``, or the
+    planner's pick for ``auto``), :func:`~lorarl.plan.choice.largest_fitting_generation_batch`; None when that is
+    every row. Example (the step bench's PPO row, 24 GB): Llama-3.1-8B with 64 prompts of 128 + 1024 tokens -> 32."""
+    g = recipe.generation.batch_size
+    if g != "auto":
+        return int(g)
+    planned = cuda_plan(recipe, budget_gb) if device_type == "cuda" else None
+    if planned is None:
+        return None
+    picked = run_sizes(recipe, *planned)[1]
+    return None if picked >= planned[1].rows else picked
+
+
+def run_sizes(recipe, shape: ModelShape, s: PlanSettings, budget: float) -> tuple[int, int]:
+    """``(micro-batch, generation batch)`` a run of ``recipe`` (planned as ``s``) uses against ``budget`` bytes:
+    each as written, or for ``auto`` the largest divisor of its rows that fits
+    (:func:`~lorarl.plan.choice.largest_fitting_micro_batch`, then
+    :func:`~lorarl.plan.choice.largest_fitting_generation_batch` at that micro-batch)."""
+    mb, g = recipe.train.micro_batch_size, recipe.generation.batch_size
+    micro = int(mb) if mb != "auto" else largest_fitting_micro_batch(shape, s, budget)[0]
+    gen = min(int(g), s.rows) if g != "auto" else largest_fitting_generation_batch(shape, s, micro, budget)
+    return micro, gen
 
 
 def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget_bytes: float | None) -> PlanSettings:
@@ -132,6 +172,7 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
         prompt_len=prompt_len,
         max_new_tokens=g.max_new_tokens,
         micro_batch_size=mb if isinstance(mb, int) else 1,
+        generation_batch_size=g.batch_size if isinstance(g.batch_size, int) else None,
         logprob_chunk_size=m.logprob_chunk_size,
         logprob_chunk_tokens=m.logprob_chunk_tokens,
         gradient_checkpointing=m.gradient_checkpointing,
@@ -248,21 +289,24 @@ def plan_recipe(
     model_config: str | None = None,
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """``lorarl plan``: predict each phase's peak for the recipe as written (micro-batch ``auto`` -> the picked
-    one) and pick micro-batch / generation batch sizes for ``budget_gb``. Prints a table; returns the JSON dict."""
+    """``lorarl plan``: predict each phase's peak for the recipe as a run would use it (each ``auto`` of
+    ``train.micro_batch_size`` / ``generation.batch_size`` -> the size it resolves to, :func:`run_sizes`), and pick
+    micro-batch / generation batch sizes for ``budget_gb``. Prints a table; returns the JSON dict."""
     from lorarl.config import load_recipe
 
     recipe = load_recipe(recipe_path, overrides or [])
     shape = recipe_model_shape(recipe, model_config)
     s = recipe_settings(recipe, shape=shape, budget_bytes=budget_gb * GB)
     pick = pick_micro_batch(shape, budget_gb, s)
-    as_written = recipe.train.micro_batch_size
-    est = pick["estimate"] if as_written == "auto" else estimate_memory(shape, s, micro_batch_size=int(as_written))
+    micro, gen = run_sizes(recipe, shape, s, budget_gb * GB)
+    est = estimate_memory(shape, s, micro_batch_size=micro, generation_batch_size=gen)
     result = {
         "recipe": str(recipe_path),
         "model": shape.name,
         "budget_gb": budget_gb,
-        "micro_batch_size": as_written,
+        "micro_batch_size": recipe.train.micro_batch_size,
+        "generation_batch_size": recipe.generation.batch_size,
+        "run_sizes": [micro, gen],
         "picked_micro_batch_size": pick["micro_batch_size"],
         "picked_generation_batch_size": pick["generation_batch_size"],
         "fits": est["peak_total_bytes"] <= budget_gb * GB,
@@ -289,7 +333,11 @@ def format_plan(result: dict[str, Any]) -> str:
             "dpo": "DPO: micro-batches count pairs, no generation",
             "reward_model": "reward model: micro-batches count pairs, no generation",
             "sft": "SFT: micro-batches count examples, no generation",
-        }.get(result["settings"].get("algo"), f"generation batch picked: {result['picked_generation_batch_size']}"),
+        }.get(
+            result["settings"].get("algo"),
+            f"generation batch: {result['generation_batch_size']} as written, {result['run_sizes'][1]} of "
+            f"{result['settings']['rows']} rows per decode / scoring batch",
+        ),
     ]
     for phase, gb in result["phases_gb"].items():
         terms = result["breakdown_gb"].get(phase, {})
@@ -344,7 +392,8 @@ def decode_engine_line(result: dict[str, Any]) -> str:
 def resolve_micro_batch(recipe, device_type: str | None = None, budget_gb: float | None = None) -> int:
     """``train.micro_batch_size`` as an int. An int is returned as is. ``auto``:
 
-    * on CUDA: :func:`pick_micro_batch` with the budget ``budget_gb`` or else the device's total memory;
+    * on CUDA: :func:`pick_micro_batch` with the budget ``budget_gb`` or else :func:`cuda_budget_gb` (the card x
+      the process's memory fraction, as ``model.quantization`` and ``generation.keep_cache`` read it);
     * on CPU: ``min(CPU_DEFAULT_MICRO_BATCH, rows the micro-batches split)`` - host memory is rarely the limit
       at the sizes a CPU can train, and 8 rows keep each forward's activations small.
     """
@@ -358,9 +407,7 @@ def resolve_micro_batch(recipe, device_type: str | None = None, budget_gb: float
     if device_type != "cuda":
         return max(1, min(CPU_DEFAULT_MICRO_BATCH, recipe_settings(recipe, device_type=device_type).split_rows))
     if budget_gb is None:
-        import torch
-
-        budget_gb = torch.cuda.get_device_properties(0).total_memory / GB
+        budget_gb = cuda_budget_gb()
     shape = recipe_model_shape(recipe)
     s = recipe_settings(recipe, device_type="cuda", shape=shape, budget_bytes=budget_gb * GB)
     return int(pick_micro_batch(shape, budget_gb, s)["micro_batch_size"])

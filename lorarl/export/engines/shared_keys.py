@@ -63,6 +63,11 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         "generation.keep_cache",
     ):
         m.skip(key, _get(r, key), "lorarl's decoder; vLLM has its own CUDA graphs and stopping")
+    m.skip(
+        "generation.batch_size",
+        r.generation.batch_size,
+        "lorarl's decode batches on one card; vLLM schedules its own batches (max_num_seqs)",
+    )
     for key, value in recipe_leaves(recipe_to_dict(r)).items():
         if key.startswith("health."):
             m.skip(key, value, "lorarl's run-health checks; the engines log their own metrics, no such alarms")
