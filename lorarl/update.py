@@ -100,10 +100,6 @@ def micro_batches(n: int, size: int) -> Iterator[slice]:
         yield slice(s, min(s + size, n))
 
 
-def _grads_finite(params: list[Tensor]) -> bool:
-    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
-
-
 def optimizer_step(
     params: list[Tensor],
     optimizer: torch.optim.Optimizer,
@@ -174,8 +170,10 @@ def one_pass(
             scaler.unscale_(optimizer)  # grads / S, and records whether any overflowed
             unscaled = True
         grads = [p.grad for p in params if p.grad is not None]
+        # a NaN or inf in any gradient makes the total 2-norm NaN or inf: the one host read checks them all (a
+        # check per tensor cost 3 ops and a device sync per parameter: 420 syncs a step for SmolLM2's adapter)
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        finite = math.isfinite(grad_norm) and _grads_finite(params)
+        finite = math.isfinite(grad_norm)
     if not finite:
         optimizer.zero_grad(set_to_none=True)
         if unscaled:

@@ -270,6 +270,20 @@ def test_inf_gradient_with_finite_loss_skips():
     assert torch.equal(w, before) and not opt.state
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_gradient_element_among_many_tensors_skips(bad):
+    """The step reads one number, the total gradient norm: a single NaN / inf element in one of several gradient
+    tensors (the others finite and small) must still skip the update."""
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(5)]
+    opt = torch.optim.AdamW(ws, lr=0.1)
+    before = [w.detach().clone() for w in ws]
+    ws[3].register_hook(lambda g: g.index_put((torch.tensor([2]), torch.tensor([1])), torch.tensor(bad)))
+    res = optimizer_step(ws, opt, [0], lambda b: (sum((w**2).sum() for w in ws), {}), max_grad_norm=1.0)
+    assert res.skipped and math.isfinite(res.loss) and not math.isfinite(res.grad_norm)
+    assert all(torch.equal(w, b) for w, b in zip(ws, before)) and not opt.state
+
+
 def test_clipping_and_stats_accumulation():
     w = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([w], lr=1.0)
