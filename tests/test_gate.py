@@ -129,8 +129,11 @@ def test_cli_gate_flags(run_dir, tmp_path, capsys):
     assert (
         main(["export", str(run_dir), "--out", str(out), "--format", "adapter", "--gate", "0.5", "--gate-n", "4"]) == 0
     )
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    last = json.loads(captured.out.strip().splitlines()[-1])
     assert last["gate"]["prompts"] == 4 and last["gate"]["passed"] is True and last["gate"]["threshold"] == 0.5
+    start = "lorarl: fidelity gate: the adapter export and the training model each decode (greedy completion) and "
+    assert f"{start}score up to 4 held-out prompts (--gate-n N to change, 0 skips the gate)" in captured.err
     assert main(["export", str(run_dir), "--out", str(tmp_path / "h"), "--format", "verl", "--gate", "0.5"]) == 2
     assert "--gate needs the gate to run" in capsys.readouterr().err
 

@@ -206,6 +206,7 @@ def run_gate(
         raise LorarlError(f"--gate-n must be >= 1, got {n}")
     t0 = time.perf_counter()
     recipe = src.recipe or Recipe()
+    print(gate_start_line(fmt, n, recipe.agent is not None), file=sys.stderr, flush=True)
     if reference is None:
         ref = TrainingRuntime(src, recipe, device, train_quantization, batch_size)
     else:
@@ -219,6 +220,17 @@ def run_gate(
     report = {"format": fmt, "quant": quant, **_compare(src, recipe, ref, make_export, n, max_new_tokens, prompts)}
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
+
+
+def gate_start_line(fmt: str, n: int, agent: bool) -> str:
+    """The line the gate prints as it starts: what it runs and how to make it shorter. It decodes and scores every
+    prompt in both models, which is most of an export's time on a CPU (an agent run's 8-prompt gate of a bf16
+    merged export: 204 s on 2 CPU cores, docs/export.md)."""
+    what = "turn loop (tools called)" if agent else "completion"
+    return (
+        f"lorarl: fidelity gate: the {fmt} export and the training model each decode (greedy {what}) and score up to "
+        f"{n} held-out prompts (--gate-n N to change, 0 skips the gate)"
+    )
 
 
 def summary_line(report: dict) -> str:
