@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from test_bench_step import check_step_record
 
 from lorarl.bench import gpu
 from lorarl.bench.gpu_parts import PARTS, rollout_targets
+from lorarl.bench.kernel_tiles import nf4_bytes
 from lorarl.cli import main as cli_main
 from lorarl.errors import LorarlError
 
@@ -73,6 +75,17 @@ def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
     assert r["fast"]["eager_fallback"] is False and r["fast"]["unsupported_reason"] is None
     assert roll["targets"]["batch"] == 2 and isinstance(roll["targets"]["met"], bool)
     assert (tmp_path / "rollout.files" / "tiny.json").is_file()  # kept per shape: a rerun resumes there
+
+    kern = rec["kernel"]["result"]  # the tiny shape's projections under Triton's interpreter
+    assert {r["proj"] for r in kern["rows"]} == {"q_proj+o_proj", "k_proj+v_proj", "gate_proj+up_proj", "down_proj"}
+    assert sum(r["count"] for r in kern["rows"]) == 7 and [x["batch"] for x in kern["layers"]] == [2]
+    for r in kern["rows"]:
+        assert r["timings"][0]["config"] == r["default"]["config"] and r["best"] in r["timings"]
+        assert r["bound_ms"] == pytest.approx(1000 * nf4_bytes(r["n"], r["k"]) / 2**22, rel=1e-3)
+    # down_proj [64 x 128]: BLOCK_K 128 fits K = 128 once (no split), BLOCK_N 32 or 64 (<= N): 2 tilings + the default
+    down = next(r for r in kern["rows"] if r["proj"] == "down_proj")
+    assert [t["config"] for t in down["timings"]] == [[16, 64, 256, 1], [16, 32, 128, 1], [16, 64, 128, 1]]
+    assert os.environ.get("TRITON_INTERPRET") is None  # restored: later parts' fast engine keeps bitsandbytes' path
 
     q = rec["quickstart"]["result"]
     assert q["steps"] == 2 and 0 <= q["accuracy"] <= 1 and 0 <= q["base_accuracy"] <= 1

@@ -34,9 +34,10 @@ def triton_interpreter():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         # bitsandbytes dequantizes an odd last dimension on the CPU through torch.compile (~20 s per new shape on 2
-        # cores); eager runs the same function
-        mp.setattr(torch._dynamo.config, "disable", True)
-        yield
+        # cores); eager runs the same function (config.patch restores the entry; monkeypatch's undo deleted it, which
+        # broke the next module in the same process)
+        with torch._dynamo.config.patch(disable=True):
+            yield
 
 
 def quantized(n: int, k: int, dtype, nested: bool, seed: int = 0):

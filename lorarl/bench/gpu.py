@@ -5,7 +5,7 @@
     lorarl bench gpu --smoke                # tiny shapes on any device (CPU included), in a temporary folder
     lorarl bench gpu --quick --part rollout --part step --part grpo-vs-trl --part quickstart   # ~9 min, one H100
 
-Parts, in order (:mod:`lorarl.bench.gpu_parts`): ``env``, ``hf-profile``, ``rollout``, ``quickstart``, ``step``,
+Parts, in order (:mod:`lorarl.bench.gpu_parts`): ``env``, ``hf-profile``, ``rollout``, ``kernel``, ``quickstart``, ``step``,
 ``grpo-vs-trl``, ``plan``, ``deterministic``. Each writes ``<part>.json`` (its settings, result, headline lines,
 seconds, the warnings it raised) and, for raw files, ``<part>.files/``; ``summary.md`` is rewritten after every part
 from all the JSON files present. A part whose JSON records success is skipped unless ``--force`` (a failed one runs
@@ -32,26 +32,11 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from lorarl.bench.gpu_parts import PARTS, PartContext, PartError, write_json  # noqa: E402
+from lorarl.bench.step import STEP_FULL, STEP_QUICK  # noqa: E402
 from lorarl.errors import LorarlError  # noqa: E402
 
 QUICKSTART = "grpo_arithmetic.yaml"
 QUICKSTART_GPU = ["model.quantization=none", "model.dtype=bfloat16", "train.report_to=[]"]
-STEP_FULL = {  # the step part (lorarl.bench.step): 8 prompts x 8, 128-token prompts, NF4, held to 24 GB
-    "models": ["qwen2.5-1.5b", "llama-3.1-8b"],
-    "new_tokens": [256, 1024],
-    "quantization": "nf4",
-    "prompts": 8,
-    "group_size": 8,
-    "prompt_len": 128,
-    "lora_r": 16,
-    "steps": 2,  # the first a warm-up (lorarl's graph capture, TRL's first generation); the second is reported
-    "micro_batch": 8,
-    "budget_gb": 24,
-    "engine": "fast",
-    "trl_variants": ["trl", "trl-cb"],
-    "timeout": 900,
-    "one_process": False,
-}
 
 
 def full_settings() -> dict[str, dict]:
@@ -71,6 +56,7 @@ def full_settings() -> dict[str, dict]:
             "target_model": "llama-3.1-8b",
             "target_batch": 16,
         },
+        "kernel": {"shapes": ["llama-3.1-8b", "qwen2.5-1.5b"], "batches": [1, 16, 64], "repeats": 20},
         "quickstart": {
             "recipe": QUICKSTART,
             "overrides": QUICKSTART_GPU,
@@ -100,7 +86,7 @@ def quick_settings() -> dict[str, dict]:
     (per-part estimates in docs/benchmarks.md)."""
     full = full_settings()
     roll = full["rollout"] | {"shapes": ["llama-3.1-8b", "qwen2.5-1.5b"], "repeats": 2}
-    step = STEP_FULL | {"models": ["qwen2.5-1.5b"], "new_tokens": [256]}
+    step = STEP_QUICK
     quick = full["quickstart"] | {"eval_n": 100, "peer_steps": 4}
     return full | {
         "rollout": roll,
@@ -147,6 +133,8 @@ def smoke_settings(device_type: str, tiny_model: Path) -> dict[str, dict]:
             "target_model": "tiny",
             "target_batch": 2,
         },
+        # under Triton's interpreter off CUDA; a fixed bandwidth (the smoke's times mean nothing)
+        "kernel": {"shapes": ["tiny"], "batches": [2], "repeats": 1, "bandwidth_bytes": 2**22},
         "quickstart": {"recipe": QUICKSTART, "overrides": tiny, "steps": 2, "eval_n": 4, "peer_steps": 2},
         "step": STEP_FULL
         | {

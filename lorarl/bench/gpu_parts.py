@@ -9,6 +9,8 @@ a ratio against a peer or a bound measured in the same run.
   against the weight-streaming bound;
 * ``rollout``: ``bench rollout`` (:func:`lorarl.bench.rollout.run`), one shape at a time, each kept in
   ``rollout.files/<shape>.json`` so a rerun resumes; CUDA-graph use, capture failures and eager fallbacks per row;
+* ``kernel``: :func:`lorarl.bench.kernel_tiles.run`, lorarl's NF4 decode matmul at candidate tile sizes per decoder
+  projection and batch size, against its default tiles, bitsandbytes' ``matmul_4bit`` and the weight-streaming bound;
 * ``quickstart``: ``recipes/grpo_arithmetic.yaml`` through the real run loop with the fast engine; held-out
   accuracy against the base's, step time against the same steps with the hf engine, the parity metrics;
 * ``step``: :func:`lorarl.bench.step.run`, a whole GRPO and PPO step at the 1.5B and 8B shapes in NF4 under a 24 GB
@@ -179,6 +181,16 @@ def rollout_targets(rows: list[dict], model: str | None, batch: int) -> dict | N
         "speedup": speedup,
         "met": bool(ms <= 20 and speedup is not None and speedup >= 5),
     }
+
+
+# ---- kernel ---------------------------------------------------------------------------------------------------------
+def part_kernel(ctx: PartContext) -> dict:
+    """The NF4 decode matmul's tiles (:mod:`lorarl.bench.kernel_tiles`; off CUDA under Triton's interpreter)."""
+    from lorarl.bench import kernel_tiles
+
+    s = ctx.settings
+    res = kernel_tiles.run(s["shapes"], s["batches"], s["repeats"], ctx.device.type, s.get("bandwidth_bytes"))
+    return {"result": res, "headline": kernel_tiles.headline(res)}
 
 
 # ---- quickstart -----------------------------------------------------------------------------------------------------
@@ -352,6 +364,7 @@ PARTS = {
     "env": part_env,
     "hf-profile": part_hf_profile,
     "rollout": part_rollout,
+    "kernel": part_kernel,
     "quickstart": part_quickstart,
     "step": part_step,
     "grpo-vs-trl": part_grpo_vs_trl,

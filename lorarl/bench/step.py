@@ -35,6 +35,23 @@ from pathlib import Path
 from typing import Any
 
 GB = 10**9
+STEP_FULL = {  # the step part (lorarl.bench.step): 8 prompts x 8, 128-token prompts, NF4, held to 24 GB
+    "models": ["qwen2.5-1.5b", "llama-3.1-8b"],
+    "new_tokens": [256, 1024],
+    "quantization": "nf4",
+    "prompts": 8,
+    "group_size": 8,
+    "prompt_len": 128,
+    "lora_r": 16,
+    "steps": 2,  # the first a warm-up (lorarl's graph capture, TRL's first generation); the second is reported
+    "micro_batch": 8,
+    "budget_gb": 24,
+    "engine": "fast",
+    "trl_variants": ["trl", "trl-cb"],
+    "timeout": 900,
+    "one_process": False,
+}
+STEP_QUICK = STEP_FULL | {"models": ["qwen2.5-1.5b"], "new_tokens": [256]}  # --quick: the 1.5B shape, 256 tokens
 TRL_VARIANTS = {"trl": False, "trl-cb": True}  # name -> use_transformers_continuous_batching
 UNSLOTH = (
     "Unsloth is not a column: its newest release on PyPI (2026.10.9, checked 2026-11-28 with `pip download unsloth "
@@ -476,9 +493,7 @@ def main(argv: list[str]) -> int:
     if a.kind == "plan":
         import tempfile
 
-        from lorarl.bench.gpu import STEP_FULL, quick_settings
-
-        settings = quick_settings()["step"] if a.quick else STEP_FULL
+        settings = STEP_QUICK if a.quick else STEP_FULL
         with tempfile.TemporaryDirectory() as work:
             for row in plan_rows(settings, Path(work)):
                 print(json.dumps(row), flush=True)
