@@ -81,6 +81,7 @@ def test_smoke_runs_every_part_then_resumes(tmp_path, monkeypatch):
     assert sum(r["count"] for r in kern["rows"]) == 7 and [x["batch"] for x in kern["layers"]] == [2]
     for r in kern["rows"]:
         assert r["timings"][0]["config"] == r["default"]["config"] and r["best"] in r["timings"]
+        assert r["timing"] == ["interpreter"] and r["copies"] == 1
         assert r["bound_ms"] == pytest.approx(1000 * nf4_bytes(r["n"], r["k"]) / 2**22, rel=1e-3)
     # down_proj [64 x 128]: BLOCK_K 128 fits K = 128 once (no split), BLOCK_N 32 or 64 (<= N): 2 tilings + the default
     down = next(r for r in kern["rows"] if r["proj"] == "down_proj")

@@ -65,6 +65,7 @@ def test_one_projection_swept_under_the_interpreter(monkeypatch):
     assert row["best"] in row["timings"] and row["default"] == row["timings"][0]
     assert row["bound_ms"] == pytest.approx(1000 * kt.nf4_bytes(96, 512) / 1e9, rel=1e-3)
     assert row["bnb_ms"] > 0 and row["best_over_bound"] > 0
+    assert row["copies"] == 1 and row["timing"] == ["interpreter"]  # (CUDA: copies_for's and cuda_graph)
 
 
 def test_a_tiling_that_computes_something_else_stops_the_sweep(monkeypatch):

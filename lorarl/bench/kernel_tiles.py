@@ -10,8 +10,10 @@ should be; it changes nothing.
 
 Per projection ``W [N, K]`` (random weights, bitsandbytes' NF4 with double quantization, bf16 input ``[m, K]``):
 each configuration's output is first compared with the default's (equal up to the fp32 summation order: split-K
-slices sum in another order), then timed: the median of ``repeats`` calls after one warm-up call (the compile),
-each call synchronised on CUDA. ``bound_ms = weight bytes / bandwidth``: the packed weight and its block scales
+slices sum in another order), then timed: on CUDA the calls cycle through enough copies of the weight to read it
+from memory rather than the L2 cache (:func:`copies_for`) and run captured in a CUDA graph, as the decode step
+does (launched one by one from Python, a kernel of a few microseconds would time the host), the median per call of
+``repeats`` replays (:func:`timed_ms`). ``bound_ms = weight bytes / bandwidth``: the packed weight and its block scales
 (:func:`nf4_bytes`), the bandwidth measured in the same run (:func:`lorarl.bench.rollout.measure_bandwidth`). Per
 shape and batch the decoder layer's seven projections sum to ``layer_ms`` (default tiles, best tiles, bitsandbytes)
 beside the layer's bound. Off CUDA it runs under Triton's interpreter (``TRITON_INTERPRET=1``, tiny shapes: the
@@ -102,28 +104,93 @@ def layer_sums(rows: list[dict]) -> dict[str, float]:
     return {k: round(sum(f(r) * r["count"] for r in rows), 4) for k, f in keys.items()}
 
 
+def copies_for(nbytes: int, l2_bytes: int, cap: int = 32) -> int:
+    """Distinct weights a timed sequence cycles through so that it reads them from memory, not from the L2 cache (a
+    decode step streams every layer's weights once): enough for 4 x the L2, at most ``cap`` (the smallest
+    projections, e.g. a 1.5B model's k / v, then stay partly in L2: their rows say how many copies ran).
+
+    >>> copies_for(8654848, 50 * 2**20)  # Llama-3.1-8B q_proj on an H200's 50 MiB L2
+    25
+    >>> copies_for(31000000, 50 * 2**20), copies_for(100000, 50 * 2**20), copies_for(10**9, 50 * 2**20)
+    (7, 32, 1)
+    """
+    return max(1, min(cap, -(-4 * l2_bytes // nbytes)))
+
+
 # ---- measuring ----------------------------------------------------------------------------------------------------
-def _timed(fn, device, repeats: int) -> float:
-    """Median milliseconds of ``repeats`` calls of ``fn`` after one warm-up call (synchronised on CUDA)."""
+def _eager_ms(calls: list, device, repeats: int) -> float:
+    """Median milliseconds per call of ``calls`` run back to back (each round between two synchronisations), after
+    one warm-up round (the compile). Off CUDA: the interpreter's time."""
     import torch
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    fn()
+    for call in calls:
+        call()
     sync()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        fn()
+        for call in calls:
+            call()
         sync()
-        times.append(1000 * (time.perf_counter() - t))
-    return round(statistics.median(times), 5)
+        times.append(1000 * (time.perf_counter() - t) / len(calls))
+    return round(statistics.median(times), 6)
+
+
+def _graph_ms(calls: list, repeats: int, per_graph: int = 64) -> float:
+    """Median milliseconds per call on CUDA: ``calls`` (one per weight copy) captured over and over (about
+    ``per_graph`` calls) in one CUDA graph, replayed ``repeats`` times between CUDA events. The decode step runs
+    captured too, so no launch overhead is counted (a kernel of a few microseconds launched from Python would
+    measure the host instead)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (the compile) off the capturing stream, as capture requires
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    rounds = max(1, per_graph // len(calls))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (rounds * len(calls)))
+    del graph
+    return round(statistics.median(times), 6)
+
+
+def timed_ms(calls: list, device, repeats: int) -> tuple[float, str]:
+    """``(ms per call, how)``: captured and replayed on CUDA (``cuda_graph``; ``eager`` where capture fails), back to
+    back elsewhere (``interpreter``)."""
+    import torch
+
+    if device.type != "cuda":
+        return _eager_ms(calls, device, repeats), "interpreter"
+    try:
+        return _graph_ms(calls, repeats), "cuda_graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return _eager_ms(calls, device, repeats), "eager"
 
 
 def bench_projection(name: str, n: int, k: int, count: int, batches, device, repeats: int, bandwidth: float):
-    """Every batch size's candidates on one random NF4 weight ``[n, k]``; a row per batch."""
+    """Every batch size's candidates on random NF4 weights ``[n, k]`` (:func:`copies_for` copies of them on CUDA,
+    one elsewhere); a row per batch."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
     import torch
@@ -131,10 +198,17 @@ def bench_projection(name: str, n: int, k: int, count: int, batches, device, rep
     from lorarl.kernels.nf4_matmul import NF4Weight, nf4_matmul
 
     gen = torch.Generator(device="cpu").manual_seed(0)
-    w = (torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=torch.bfloat16)
-    packed, qs = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=True, blocksize=64)
-    del w
-    weight = NF4Weight.from_bnb(packed, qs)
+    copies = 1
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 * 2**20
+        copies = copies_for(nf4_bytes(n, k), l2)
+    quantized = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=torch.bfloat16)
+        packed, qs = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=True, blocksize=64)
+        quantized.append((packed, qs, NF4Weight.from_bnb(packed, qs)))
+        del w
+    weight = quantized[0][2]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     bound_ms = 1000 * nf4_bytes(n, k) / bandwidth
     rows = []
@@ -142,17 +216,24 @@ def bench_projection(name: str, n: int, k: int, count: int, batches, device, rep
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
         want = nf4_matmul(x, weight).float()
         scale = want.abs().max().item() + 1e-6
-        timings = []
+        timings, how = [], set()
         for cfg in candidates(m, n, k, sms):
             err = (nf4_matmul(x, weight, config=cfg).float() - want).abs().max().item() / scale
             if err > 2e-2:  # a bf16 output rounded from a reordered fp32 sum differs by a few units of 2^-8
                 raise RuntimeError(f"{name} [{n}x{k}] B={m} tiles {cfg}: relative error {err:.3g} vs the default's")
-            call = functools.partial(nf4_matmul, x, weight, config=cfg)
-            timings.append({"config": list(cfg), "ms": _timed(call, device, repeats)})
-        bnb_ms = _timed(functools.partial(bnb.matmul_4bit, x, packed.t(), quant_state=qs), device, repeats)
-        row = {"proj": name, "n": n, "k": k, "count": count, "batch": m, "bound_ms": round(bound_ms, 5)}
+            calls = [functools.partial(nf4_matmul, x, wt, config=cfg) for _, _, wt in quantized]
+            ms, mode = timed_ms(calls, device, repeats)
+            timings.append({"config": list(cfg), "ms": ms})
+            how.add(mode)
+        bnb_calls = [functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=q) for p, q, _ in quantized]
+        bnb_ms, mode = timed_ms(bnb_calls, device, repeats)
+        row = {"proj": name, "n": n, "k": k, "count": count, "batch": m, "bound_ms": round(bound_ms, 6)}
         row |= best_row(timings) | {"bnb_ms": bnb_ms, "timings": timings}
-        row["best_over_bound"] = round(row["best"]["ms"] / bound_ms, 3)
+        row |= {
+            "copies": copies,
+            "timing": sorted(how | {mode}),
+            "best_over_bound": round(row["best"]["ms"] / bound_ms, 3),
+        }
         rows.append(row)
     return rows
 
