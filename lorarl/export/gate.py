@@ -225,7 +225,7 @@ def run_gate(
 def gate_start_line(fmt: str, n: int, agent: bool) -> str:
     """The line the gate prints as it starts: what it runs and how to make it shorter. It decodes and scores every
     prompt in both models, which is most of an export's time on a CPU (an agent run's 8-prompt gate of a bf16
-    merged export: 204 s on 2 CPU cores, docs/export.md)."""
+    merged export: 204 s on 2 CPU cores, gate.json's seconds; docs/export.md)."""
     what = "turn loop (tools called)" if agent else "completion"
     return (
         f"lorarl: fidelity gate: the {fmt} export and the training model each decode (greedy {what}) and score up to "
