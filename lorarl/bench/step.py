@@ -170,12 +170,15 @@ def plan_row(recipe, budget_gb: float) -> dict[str, Any]:
     :func:`lorarl.plan.recipes.run_sizes`) and the step's predicted peak with them, allocated (what ``peak_gb``
     measures on CUDA: the GPU run validates it) and with the CUDA context and allocator slack (what must fit the
     budget), and the latter with the whole rollout in one batch."""
+    from lorarl.errors import LorarlError
     from lorarl.plan import estimate_memory
-    from lorarl.plan.recipes import recipe_model_shape, recipe_settings, run_sizes
+    from lorarl.plan.recipes import cuda_plan, run_sizes
 
-    shape = recipe_model_shape(recipe)
-    s = recipe_settings(recipe, shape=shape, budget_bytes=budget_gb * GB)
-    micro, gen = run_sizes(recipe, shape, s, budget_gb * GB)
+    planned = cuda_plan(recipe, budget_gb)
+    if planned is None:
+        raise LorarlError(f"bench step: the planner cannot read the shape of {recipe.model.name}")
+    shape, s, budget = planned
+    micro, gen = run_sizes(recipe, shape, s, budget)
     est = estimate_memory(shape, s, micro_batch_size=micro, generation_batch_size=gen)
     one = estimate_memory(shape, s, micro_batch_size=micro, generation_batch_size=None)
     return {
@@ -192,18 +195,12 @@ def plan_row(recipe, budget_gb: float) -> dict[str, Any]:
 def plan_rows(settings: dict, work: Path) -> list[dict[str, Any]]:
     """:func:`plan_row` for every lorarl row of ``settings`` (the step part's models x lengths x GRPO / PPO),
     from the recipes the workers build (a model folder holding only ``config.json``; nothing is loaded)."""
-    from lorarl.bench.plan_validation import shape_dict, validation_recipe
-    from lorarl.bench.synthetic import shape_config
-
     out = []
     for model in settings["models"]:
-        d = shape_dict(model)
         for new_tokens in settings["new_tokens"]:
             for algo in ("grpo", "ppo"):
                 spec = worker_spec(settings, "cuda", model, new_tokens, f"lorarl-{algo}")
-                where = work / f"{model}-{new_tokens}-{algo}"
-                shape_config(d).save_pretrained(where / "model")
-                recipe = validation_recipe(lorarl_args(spec, where), algo, where, d["vocab_size"])
+                recipe = lorarl_recipe(spec, work / f"{model}-{new_tokens}-{algo}")[2]
                 out.append(
                     {"model": model, "algo": algo, "new_tokens": new_tokens, **plan_row(recipe, spec["budget_gb"])}
                 )
@@ -229,20 +226,30 @@ def lorarl_args(spec: dict, work: Path) -> argparse.Namespace:
     )
 
 
+def lorarl_recipe(spec: dict, out: Path):
+    """``(args, shape dict, recipe)`` of a lorarl engine's spec: the random-init model's ``config.json`` written to
+    ``out/model`` and the :mod:`lorarl.bench.plan_validation` recipe over it (what the worker trains and
+    :func:`plan_rows` plans)."""
+    from lorarl.bench.plan_validation import shape_dict, validation_recipe
+    from lorarl.bench.synthetic import shape_config
+
+    args = lorarl_args(spec, out)
+    d = shape_dict(spec["model"])
+    shape_config(d).save_pretrained(out / "model")
+    return args, d, validation_recipe(args, spec["algo"], out, d["vocab_size"])
+
+
 def worker_lorarl(spec: dict, out: Path) -> dict:
     """``spec["algo"]`` (grpo / ppo) for ``spec["steps"]`` steps of the real algorithm; the last step's figures."""
     from lorarl.algos import make_algorithm
     from lorarl.algos.loop import keep_decode_cache
     from lorarl.bench.memory import run_step
-    from lorarl.bench.plan_validation import build_shared, shape_dict, validation_recipe
-    from lorarl.bench.synthetic import add_random_reward_adapter, shape_config
+    from lorarl.bench.plan_validation import build_shared
+    from lorarl.bench.synthetic import add_random_reward_adapter
     from lorarl.phases import recording
 
     fraction = apply_budget(spec["device"], spec["budget_gb"])
-    args = lorarl_args(spec, out)
-    d = shape_dict(spec["model"])
-    shape_config(d).save_pretrained(out / "model")
-    recipe = validation_recipe(args, spec["algo"], out, d["vocab_size"])
+    args, d, recipe = lorarl_recipe(spec, out)
     plan = plan_row(recipe, spec["budget_gb"])  # (the sizes below resolve as it says on CUDA)
     reset_peak(spec["device"])
     shared, build_s, n_quant = build_shared(args, d, recipe)
