@@ -32,6 +32,7 @@ LAYERS = {
     "agents": 2,
     "runs": 2,
     "runstate": 2,
+    "stepprogress": 2,  # RUN/step.json: the running step's phase and tokens (the loop and the engines feed it)
     "checkpoint": 2,
     "update": 2,
     "metrics": 2,

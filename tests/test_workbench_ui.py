@@ -272,13 +272,17 @@ def wb(tiny_model_dir, tmp_path):
     return wb
 
 
-def _fields(wb) -> tuple[list[str], dict[str, str]]:
-    """The quickstart as the Train tab shows it: the field keys in slot order, and each slot's text."""
+SLOTS = 4 + 2 * 2  # on_recipe's outputs: header, model, its error, keys, 2 adapter dropdowns and their errors, slots
+ERRORS = 1 + 2  # on_check / on_launch outputs: the model's error, the 2 adapters' errors, then the slots' errors
+
+
+def _fields(wb, recipe=QUICKSTART) -> tuple[list[str], dict[str, str]]:
+    """A recipe as the Train tab shows it: the field keys in slot order, and each slot's text."""
     from lorarl.app.layout import MAX_FIELDS
 
-    out = wb.on_recipe(str(QUICKSTART))
+    out = wb.on_recipe(str(recipe))
     keys = out[3]
-    slots = out[4 : 4 + MAX_FIELDS]
+    slots = out[SLOTS : SLOTS + MAX_FIELDS]
     return keys, {k: slots[i].value for i, k in enumerate(keys)}
 
 
@@ -309,18 +313,94 @@ def test_train_tab_shows_the_recipe_and_its_fields(wb):
         "eval.every",
     ]
     assert values["train.steps"] == "40" and values["grpo.group_size"] == "8"
-    assert [slot.visible for slot in out[4 : 4 + MAX_FIELDS]] == [True] * len(keys) + [False] * (MAX_FIELDS - len(keys))
-    assert out[-2].startswith("plan: ")
+    slots = out[SLOTS : SLOTS + MAX_FIELDS]
+    assert [slot.visible for slot in slots] == [True] * len(keys) + [False] * (MAX_FIELDS - len(keys))
+    assert [a.visible for a in out[4:6]] == [False, False]  # the quickstart loads no reward or starting adapter
+    # the cost block: one memory figure (the header's measured RSS on a CPU), a time from the measured s/step
+    assert out[-2].startswith("**Cost on this machine** (CPU only")
+    assert "- memory: 5.2 GB peak RSS measured on cpu" in out[-2] and "tensor peak" not in out[-2]
+    assert "- time: about 8m40s for 40 steps (13 s/step measured on cpu" in out[-2]  # 40 x 13 s
 
 
 def test_a_refused_field_shows_its_line_beside_it_and_launches_nothing(wb):
     keys, values = _fields(wb)
     values["grpo.group_size"] = "-3"
-    out = wb.on_launch(str(QUICKSTART), "smollm2-135m", keys, "bad", *_slot_values(keys, values))
-    errors = dict(zip(keys, out[1 : 1 + len(keys)]))
+    out = wb.on_launch(str(QUICKSTART), "smollm2-135m", None, None, keys, "bad", *_slot_values(keys, values))
+    errors = dict(zip(keys, out[ERRORS : ERRORS + len(keys)]))
     assert "grpo.group_size" in errors["grpo.group_size"] and errors["train.steps"] == ""
     assert "not launched" in out[-3]
     assert list(wb.runs_dir.iterdir()) == [] and wb.runner.live() is None
+
+
+def test_check_says_ok_exactly_when_launch_would_start(wb):
+    """Check runs Launch's checks (fields, files, the run name) and says ok; a refused field names itself."""
+    keys, values = _fields(wb)
+    slots = _slot_values(keys, values)
+
+    def check(name: str, **changed) -> list:
+        return wb.on_check(
+            str(QUICKSTART), "smollm2-135m", None, None, keys, name, *_slot_values(keys, values | changed)
+        )
+
+    assert check("")[-1] == "**ok:** the fields and the files the run reads pass; give a run name to launch"
+    assert check("fine")[-1].startswith(
+        f"**ok:** ready to launch `fine` (`lorarl train grpo_arithmetic.yaml --out {wb.runs_dir}/fine`"
+    )
+    _fake_run(wb.runs_dir, "old", "smollm2-135m")
+    for name, why in (
+        ("exports", "run name 'exports' is taken"),
+        ("../x", "plain folder name"),
+        ("old", "already exists"),
+    ):
+        assert check(name)[-1].startswith("**not ready:**") and why in check(name)[-1], name
+        launched = wb.on_launch(str(QUICKSTART), "smollm2-135m", None, None, keys, name, *slots)
+        assert launched[-3].startswith("**not launched:**") and why in launched[-3]  # Launch refuses it the same way
+    out = check("fine", **{"train.steps": "two"})
+    errors = dict(zip(keys, out[ERRORS : ERRORS + len(keys)]))
+    assert "train.steps must be int" in errors["train.steps"]
+    assert out[-1].startswith("**not ready:** `train.steps`: ") and "must be int" in out[-1]  # named, not "in red"
+    assert wb.runner.live() is None and sorted(p.name for p in wb.runs_dir.iterdir()) == ["old"]
+
+
+def test_ppo_check_catches_the_missing_reward_adapter_and_the_page_offers_the_runs_ones(wb, tmp_path, monkeypatch):
+    """PPO's reward adapter is a field (a dropdown of the recipe's value and the runs' reward adapters); Check and
+    Launch catch a missing one before any process starts; a crashed run whose adapter is still missing cannot be
+    resumed (it would crash the same way), and says why."""
+    from lorarl.runstate import write_state
+
+    monkeypatch.chdir(tmp_path)  # runs/reward_model (the recipe's relative value) does not exist here
+    ppo = REPO / "recipes" / "ppo.yaml"
+    out = wb.on_recipe(str(ppo))
+    reward_dd, init_dd = out[4], out[5]
+    assert reward_dd.visible is True and init_dd.visible is False and reward_dd.value == "runs/reward_model"
+    assert reward_dd.choices == [("runs/reward_model (the recipe's)", "runs/reward_model")]
+    keys, values = _fields(wb, ppo)
+    slots = _slot_values(keys, values)
+    checked = wb.on_check(str(ppo), "smollm2-135m", "runs/reward_model", None, keys, "p", *slots)
+    assert "reward adapter runs/reward_model: no such folder" in checked[1]  # under the dropdown
+    assert checked[-1].startswith("**not ready:** `reward.adapter`: reward adapter runs/reward_model: no such folder")
+    launched = wb.on_launch(str(ppo), "smollm2-135m", "runs/reward_model", None, keys, "p", *slots)
+    assert launched[-3].startswith("**not launched:** `reward.adapter`") and not (wb.runs_dir / "p").exists()
+    # a reward-model run in the runs folder: offered, and Check passes with it
+    rm = _fake_run(wb.runs_dir, "rm", "smollm2-135m")
+    (rm / "reward").mkdir()
+    (rm / "reward" / "adapter_config.json").write_text("{}")
+    (rm / "reward" / "head.safetensors").write_bytes(b"")
+    offered = wb.on_recipe(str(ppo))[4].choices
+    assert ("run rm: its reward adapter", str(rm)) in offered
+    ok = wb.on_check(str(ppo), "smollm2-135m", str(rm), None, keys, "p", *slots)
+    assert ok[1] == "" and ok[-1].startswith("**ok:** ready to launch `p`"), ok[-1]
+    refused = wb.on_check(str(ppo), "smollm2-135m", "/etc", None, keys, "p", *slots)
+    assert "reward.adapter '/etc' is not one of the adapters offered" in refused[-1]
+    # a PPO run that crashed on the missing adapter: Resume off, and the state line says why
+    crashed = wb.runs_dir / "crashed"
+    crashed.mkdir()
+    (crashed / "recipe.yaml").write_text(ppo.read_text())
+    write_state(crashed, "crashed", 0, 40, "LorarlError: reward adapter runs/reward_model: no such folder")
+    out = wb.on_poll("crashed", None)
+    assert out[-1].interactive is False
+    assert "Resume would fail the same way: reward.adapter: reward adapter runs/reward_model: no such folder" in out[0]
+    assert wb.on_resume("crashed").startswith("**not resumed:** it would fail before its first step: reward.adapter")
 
 
 @pytest.mark.parametrize(
@@ -335,7 +415,7 @@ def test_a_refused_field_shows_its_line_beside_it_and_launches_nothing(wb):
 )
 def test_launch_refuses_paths_from_the_page(wb, recipe, model, run_name, why):
     keys, values = _fields(wb)
-    out = wb.on_launch(recipe, model, keys, run_name, *_slot_values(keys, values))
+    out = wb.on_launch(recipe, model, None, None, keys, run_name, *_slot_values(keys, values))
     assert why in out[-3]
     assert list(wb.runs_dir.iterdir()) == [] and not (wb.runs_dir.parent / "escape").exists()
 
@@ -344,7 +424,7 @@ def test_launch_refused_when_the_run_would_not_fit_beside_the_chat(wb):
     keys, values = _fields(wb)
     gpu = DeviceFigures(total=int(24e9), chat_peak=int(2e9), chat_allocated=int(1e9))
     wb.memory = MemoryGuard(wb.runner.live, figures=lambda: gpu, planner=lambda path, ov, budget_gb: 23.5e9)
-    out = wb.on_launch(str(QUICKSTART), "smollm2-135m", keys, "big", *_slot_values(keys, values))
+    out = wb.on_launch(str(QUICKSTART), "smollm2-135m", None, None, keys, "big", *_slot_values(keys, values))
     assert "23.50 GB > the 23.00 GB left beside the chat" in out[-3] and "24.00 GB" in out[-3]
     assert list(wb.runs_dir.iterdir()) == []
 
@@ -366,6 +446,11 @@ def _fake_run(runs: Path, name: str, model: str, adapter: bool = False) -> Path:
         (run / "policy").mkdir()
         (run / "policy" / "adapter_config.json").write_text("{}")
     return run
+
+
+def _export(wb, checkpoint: str, fmt: str, name: str, force: bool = False, minimum=None) -> list:
+    """The Export button's last update (its handler is a generator: a line saying what runs, then the result)."""
+    return list(wb.on_export(checkpoint, fmt, name, force, minimum))[-1]
 
 
 def _votes(runs: Path, n: int = 2) -> None:
@@ -402,7 +487,7 @@ def test_every_path_beside_the_chat_goes_through_the_memory_guard(wb, monkeypatc
     assert planned_for == ["old", "recipes", "recipes"]  # the run's own recipe, then dpo.yaml and reward_model.yaml
     live.append(wb.runs_dir / "old")
     wb.catalog.scan()
-    status = wb.on_export("old/policy", "merged", "x")[0]
+    status = _export(wb, "old/policy", "merged", "x")[0]
     assert "loads models in this app's process, beside run old" in status
     assert started == []
     live.clear()
@@ -411,9 +496,64 @@ def test_every_path_beside_the_chat_goes_through_the_memory_guard(wb, monkeypatc
         raise ValueError("a failure outside the export's own errors")
 
     monkeypatch.setattr(exporting, "export_with_gate", broken)
-    status = wb.on_export("old/policy", "merged", "x")[0]
-    assert status == "**error:** ValueError: a failure outside the export's own errors"
+    status = _export(wb, "old/policy", "merged", "x")[0]
+    assert status == "**not exported:** ValueError: a failure outside the export's own errors"
     assert wb.memory.chat_pause() is None  # the failed export left nothing busy
+
+
+def test_export_offers_replace_names_its_default_gives_a_verdict_and_runs_one_at_a_time(wb, monkeypatch):
+    """The Export tab without a real export (exporting.export_with_gate replaced): the newest run's final adapter
+    picked by default; an empty name says the default name it used; an existing export is refused until "replace"
+    is ticked; the gate's minimum gives a verdict (and none set says so); a second export while one runs is refused
+    with a line; the first update says what runs, with the button disabled."""
+    import threading
+
+    from lorarl.app import exporting
+
+    base = str(wb.catalog.base_model)
+    _fake_run(wb.runs_dir, "older", base, adapter=True)
+    _fake_run(wb.runs_dir, "newer", base, adapter=True)
+    wb.catalog.scan()
+    assert wb.on_export_refresh(None).value == "newer/policy"  # the newest run's final adapter, not an empty pick
+    calls, gate_open = [], threading.Event()
+
+    def fake(run_dir, fmt, out_name, *, runs_dir, checkpoint=None, gate=None, force=False):
+        calls.append((Path(run_dir).name, out_name, gate, force))
+        gate_open.wait(5)
+        (runs_dir / "exports" / out_name).mkdir(parents=True, exist_ok=True)
+        (runs_dir / "exports" / out_name / "config.json").write_text("{}")
+        report = {"greedy_agreement": 0.97, "agreed": 62, "prompts": 64, "threshold": gate,
+                  "passed": None if gate is None else 0.97 >= gate}  # fmt: skip
+        return {"out": str(runs_dir / "exports" / out_name), "gate": report, "summary": "greedy agreement 96.9%"}
+
+    monkeypatch.setattr(exporting, "export_with_gate", fake)
+    gate_open.set()
+    status, summary, table, button = _export(wb, "newer/policy", "merged", "", minimum=0.95)
+    assert status.endswith("newer-final-merged` (the default name: the name box was empty)"), status
+    assert summary == "greedy agreement 96.9% — **passed**: greedy agreement 97.0% ≥ minimum 95%"
+    assert ["verdict", "passed: greedy agreement 97.0% ≥ minimum 95%"] in table.value["data"]
+    assert ["minimum greedy agreement", "0.95"] in table.value["data"] and button.interactive is True
+    assert not any(r[0] in ("threshold", "passed") for r in table.value["data"])  # no "threshold None, passed None"
+    refused = _export(wb, "newer/policy", "merged", "newer-final-merged")[0]
+    assert "already exists: tick “Replace an existing export of that name”" in refused and len(calls) == 1
+    status, summary = _export(wb, "newer/policy", "merged", "newer-final-merged", force=True)[:2]
+    assert calls[-1] == ("newer", "newer-final-merged", None, True)
+    assert summary.endswith("reported, not gated: greedy agreement 97.0% (no minimum set)")
+    # one at a time: while an export runs, its first update says so (button off) and a second one is refused
+    gate_open.clear()
+    first = wb.on_export("older/policy", "adapter", "a", False, None)
+    running = next(first)
+    assert running[0].startswith("exporting `older/policy` as adapter to `RUNS/exports/a`:")
+    assert running[3].interactive is False
+    worker = threading.Thread(target=lambda: list(first))
+    worker.start()
+    while len(calls) < 3:
+        threading.Event().wait(0.01)
+    second = _export(wb, "newer/policy", "merged", "b")[0]
+    assert second.startswith("**not started:** the export of older/policy is running"), second
+    gate_open.set()
+    worker.join()
+    assert len(calls) == 3
 
 
 def test_the_reward_model_retrain_starts_a_fresh_adapter_and_says_so(wb, monkeypatch):
@@ -500,16 +640,16 @@ def test_watch_export_and_retrain_refuse_names_outside_the_folders(wb):
     assert "error" in wb.on_poll("../x", None)[0]
     assert "error" in wb.on_stop("/etc")
     assert "error" in wb.on_resume("..")
-    status = wb.on_export("../../etc/policy", "merged", "x")[0]
+    status = _export(wb, "../../etc/policy", "merged", "x")[0]
     assert "unknown checkpoint" in status
-    status = wb.on_export("base", "merged", "x")[0]
+    status = _export(wb, "base", "merged", "x")[0]
     assert "pick a run's checkpoint" in status
     assert "unknown checkpoint" in wb.retrain_handler("dpo")("elsewhere/policy")[0]
     assert list(wb.runs_dir.iterdir()) == []
 
 
 def test_view_outputs_crash_lines_and_buttons():
-    from lorarl.app.handlers import POLL_OUTPUTS, view_outputs
+    from lorarl.app.views import POLL_OUTPUTS, view_outputs
     from lorarl.app.watch import Progress, WatchView
 
     crashed = WatchView(
@@ -520,19 +660,25 @@ def test_view_outputs_crash_lines_and_buttons():
         series={"reward": [(1, 0.5), (2, 0.25)]},
         warnings=["step 2: health: no reward signal"],
         completions=[{"step": 2, "prompt": "p" * 500, "completion": "c", "reward": 1.0}],
+        log_tail=["loading", "Traceback", "RuntimeError: boom"],
         crash_lines=["Traceback", "RuntimeError: boom"],
         resumable=True,
+        empty={"KL": "not computed: grpo.kl.coef is 0 (the reference model never runs)"},
     )
     out = view_outputs(crashed, fresh=True, live_run=None)
     assert len(out) == POLL_OUTPUTS
-    assert out[0] == "**r**: crashed — boom" and out[1] == "step 3/10"
-    reward = out[2]
-    assert reward["step"].tolist() == [1, 2] and reward["value"].tolist() == [0.5, 0.25]
-    assert out[3].empty and str(out[3]["value"].dtype) == "float64"  # no KL logged: an empty, typed frame
-    assert "health: no reward signal" in out[8]
-    assert out[9].visible and out[9].value == "Traceback\nRuntimeError: boom"
-    (row,) = out[10]
-    assert row[0] == 2 and row[1] == 1.0 and len(row[3]) == 160 and row[3].startswith("…")
+    assert out[0] == "**r**: crashed — boom" and out[1] == "step 3/10" and out[2] == ""  # no result: not finished
+    reward, kl = out[3], out[5]
+    assert reward.value["data"] == [[1, 0.5], [2, 0.25]] and reward.caption in ("", None)
+    assert (
+        kl.value["data"] == []
+        and kl.caption == "empty: not computed: grpo.kl.coef is 0 (the reference model never runs)"
+    )
+    assert kl.value["datatypes"] == {"step": "quantitative", "value": "quantitative"}  # typed, though empty
+    assert "health: no reward signal" in out[9]
+    assert out[10].visible and out[10].value == "Traceback\nRuntimeError: boom" and "the run crashed" in out[10].label
+    (row,) = out[11]
+    assert row[0] == 2 and row[1] == 1.0 and row[3] == 1 and len(row[4]) == 160 and row[4].startswith("…")
     assert out[-2].interactive is False and out[-1].interactive is True  # stopped / crashed: Resume
     import dataclasses
 
@@ -541,7 +687,7 @@ def test_view_outputs_crash_lines_and_buttons():
     assert busy[-1].interactive is False  # another run trains: the one-job rule
     import gradio as gr
 
-    assert busy[2:8] == [gr.skip()] * 6 and busy[10] == gr.skip()  # unchanged: the curves and table are not resent
+    assert busy[3:9] == [gr.skip()] * 6 and busy[11] == gr.skip()  # unchanged: the curves and table are not resent
     finished = WatchView(run="r", state="finished", error=None, progress=Progress(step=10, last_step=10))
     exiting = view_outputs(finished, live_run=Path("runs/r"))  # state written, its process not gone yet
     assert exiting[0].endswith("(its process is still exiting)")

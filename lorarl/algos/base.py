@@ -38,7 +38,8 @@ class Algorithm(Protocol):
     plot_panels: ClassVar[tuple]
     roles: list[str]  # the adapters a checkpoint holds (trained ones and a refreshed reference)
     outputs: list[str]  # the adapters the run produces: saved at the end and in DIR/best (the first is watched)
-    final_eval: bool  # evaluate at the last step even when eval.every is 0
+    final_eval: ClassVar[bool]  # evaluate at the last step even when eval.every is 0 (a class attribute: the
+    #                            workbench reads it to say what eval.every 0 means)
     optimizers: dict[str, torch.optim.Optimizer]
     schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
     total_steps: int  # steps of the run (train.steps, or fewer when an epoch limit comes first)

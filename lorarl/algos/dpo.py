@@ -193,6 +193,7 @@ class DPO:
     """The policy adapter trained on preference pairs against the reference: set-up, then :meth:`step` per batch."""
 
     name = "dpo"
+    final_eval = True  # the summary reports the held-out implicit-reward (and task) accuracy
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -200,7 +201,6 @@ class DPO:
         cfg, tcfg = recipe.dpo, recipe.train
         self.reference = setup_roles(shared, recipe, recipe.dpo.needs_reference)
         self.roles = self.outputs = [POLICY]
-        self.final_eval = True  # the summary reports the held-out implicit-reward (and task) accuracy
         self.train_pairs = load_split(recipe, shared, "train")
         self.eval_pairs = load_split(recipe, shared, "eval", limit=recipe.eval.n)
         n, B = len(self.train_pairs), cfg.batch_size

@@ -254,6 +254,7 @@ class GRPO:
     :meth:`step` per batch. Used by the run loop, the benchmarks and the tests alike."""
 
     name = "grpo"
+    final_eval = False  # held-out accuracy only every eval.every steps (lorarl eval after the run)
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -263,7 +264,7 @@ class GRPO:
         self.has_ref_adapter = has_ref_adapter
         self.reference = REFERENCE if cfg.kl.coef > 0 else None  # None: the reference never runs
         self.roles = [POLICY] + ([REFERENCE] if has_ref_adapter else [])
-        self.outputs, self.final_eval = [POLICY], False
+        self.outputs = [POLICY]
         self.planned_mbs = planned_micro_batch(recipe, shared.device.type)
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
         self.rollout_fn = make_step_rollout(recipe, shared, self.prompts, rollout_batch(recipe, shared.device.type))

@@ -53,6 +53,7 @@ from lorarl.runstate import (
     write_pid,
     write_state,
 )
+from lorarl.stepprogress import StepProgress, reporting
 
 SUMMARY_FILE = "summary.json"  # the run's summary (the dict train returns), written when it ends or stops
 
@@ -205,7 +206,8 @@ def after_step(step: int, row: dict, ctx: dict) -> bool:
     recipe, algo, loop = ctx["recipe"], ctx["algo"], ctx["loop"]
     evaluated = eval_due(recipe.eval.every, step, ctx["last_step"], getattr(algo, "final_eval", False))
     if evaluated:
-        with recording() as phases, phase("evaluation"):
+        progress = ctx["progress"]
+        with recording(progress.phase_log()) as phases, reporting(progress), phase("evaluation"):
             row.update(algo.evaluate())
         row["time/evaluation"] = phases.seconds["evaluation"]
         metric = recipe.train.keep_best
@@ -268,8 +270,11 @@ def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict]
         before = unsaved_state(algo) if loop.step > saved_step else None  # saved if this step is abandoned
         t0, cpu0 = time.perf_counter(), time.process_time()
         torch.manual_seed(step_seed(recipe.train.seed, step))
+        progress = ctx["progress"]
+        progress.begin(step)  # RUN/step.json: the step's phases and tokens as they come (lorarl.stepprogress)
         try:
-            with recording() as phases, stop.observed():  # the rollout engines watch the flag while generating
+            # the rollout engines watch the stop flag while generating, and report their tokens
+            with recording(progress.phase_log()) as phases, stop.observed(), reporting(progress):
                 row = algo.step(algo.batch(step))
         except StepAbandoned:
             abandon_step(ctx, step, saved_step, before)
@@ -392,6 +397,7 @@ def train_in(
     ctx.update(monitor=monitor, params=params)
     ctx["logger"] = MetricsLogger.for_recipe(run_dir, recipe, resume_step=start_step if resume else None)
     ctx["samples"] = CompletionsLog(run_dir, resume_step=start_step if resume else None)
+    ctx["progress"] = StepProgress(run_dir)
     ctx["bar"] = tqdm(
         total=last_step, initial=start_step, desc=algo.name, unit="step", dynamic_ncols=True, disable=not progress
     )
@@ -403,6 +409,7 @@ def train_in(
         ctx["bar"].close()
         ctx["logger"].close()
         ctx["samples"].close()
+        ctx["progress"].clear()
     common = {
         "steps": last_step,
         "steps_this_run": len(history),

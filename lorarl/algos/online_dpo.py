@@ -164,6 +164,7 @@ class OnlineDPO(GuardState):
     """The policy adapter trained on its own ranked samples against the reference: set-up, then :meth:`step`."""
 
     name = "online_dpo"
+    final_eval = True  # the summary reports the held-out task evaluation
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -173,7 +174,6 @@ class OnlineDPO(GuardState):
         # adapter against the bare base
         setup_roles(shared, recipe)
         self.roles = self.outputs = [POLICY]
-        self.final_eval = True  # the summary reports the held-out task evaluation
         self.prompts = load_train_prompts(recipe, shared.tokenizer)
         rows = tcfg.prompts_per_step * cfg.group_size
         self.source = reward_source(recipe, shared, micro_batch_rows(recipe.eval.batch_size, rows))

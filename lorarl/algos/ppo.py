@@ -152,6 +152,7 @@ class PPO:
     then :meth:`step` per batch."""
 
     name = "ppo"
+    final_eval = False  # held-out accuracy only every eval.every steps (lorarl eval after the run)
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -165,7 +166,6 @@ class PPO:
         self.ptx = load_ptx_texts(cfg.ptx.source, shared.tokenizer, recipe.source_path) if cfg.ptx.coef > 0 else None
         self.need_ref = cfg.kl.coef > 0  # beta = 0 and fixed: the reference never runs
         self.roles = self.outputs = [POLICY, CRITIC]
-        self.final_eval = False
         N = tcfg.prompts_per_step
         self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)  # the LR schedules span the RL steps
         self.critic = trained_role(shared, CRITIC, tcfg, tcfg.steps, lr=cfg.critic.learning_rate)

@@ -172,6 +172,7 @@ class RejectionSampling:
     """Sample, verify, keep: set-up, then :meth:`step` per batch of prompts; :meth:`finish` writes the dataset."""
 
     name = "rejection_sampling"
+    final_eval = False  # trains nothing; its kept rows are the result
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -183,7 +184,7 @@ class RejectionSampling:
         self.sampler = SAMPLER if init else "base"
         self.roles: list[str] = []  # trains nothing: a checkpoint holds the kept rows (state_dict)
         # the loop's health monitor watches outputs[0]: the sampler, which never moves (rows say `updates: 0`)
-        self.outputs, self.final_eval = [self.sampler], False
+        self.outputs = [self.sampler]
         self.optimizers: dict = {}
         self.schedulers: dict = {}
         self.prompts = load_train_prompts(recipe, shared.tokenizer)

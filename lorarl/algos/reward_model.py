@@ -178,6 +178,7 @@ class RewardModel(GuardState):
     """The reward adapter + score head on the shared base, trained on preference pairs: set-up, then :meth:`step`."""
 
     name = "reward_model"
+    final_eval = True  # the run's summary reports the held-out pairwise accuracy
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -188,7 +189,6 @@ class RewardModel(GuardState):
         else:
             shared.add_adapter(REWARD, recipe.lora, head=True)
         self.roles = self.outputs = [REWARD]
-        self.final_eval = True  # the run's summary reports the held-out pairwise accuracy
         self.train_pairs = load_pairs(recipe, shared, "train")
         self.eval_pairs = load_pairs(recipe, shared, "eval", limit=recipe.eval.n)
         n, B = len(self.train_pairs), cfg.batch_size

@@ -176,6 +176,7 @@ class SFT(GuardState):
     """The policy adapter trained on supervised examples: set-up, then :meth:`step` per batch."""
 
     name = "sft"
+    final_eval = False  # held-out accuracy every eval.every steps; the pipeline evaluates every stage
     plot_panels = PLOT_PANELS
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
@@ -186,7 +187,6 @@ class SFT(GuardState):
         else:
             shared.add_adapter(POLICY, recipe.lora)
         self.roles = self.outputs = [POLICY]
-        self.final_eval = False  # held-out accuracy every eval.every steps; the pipeline evaluates every stage
         if recipe.agent is not None:  # tool-use traces: loss on the assistant's turns only (lorarl.agents.traces)
             from lorarl.agents.traces import load_tool_sft
 

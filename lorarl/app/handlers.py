@@ -9,6 +9,7 @@ backend to be one of the configured folders' entries; every event is private (no
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +17,14 @@ from typing import Any
 
 import gradio as gr
 
-from lorarl import runstate
-from lorarl.app import exporting, jobs, recipes, retrain, watch
-from lorarl.app.layout import MAX_FIELDS, PLOTS, WorkbenchWidgets, base_note, build_workbench
+from lorarl.app import jobs, recipes, retrain, watch
+from lorarl.app.export_tab import ExportTab
+from lorarl.app.layout import WorkbenchWidgets, base_note, build_workbench
 from lorarl.app.memory import MemoryGuard, Work
-from lorarl.app.paths import check_run_name, checked_run, shipped_recipes_dir
-from lorarl.chat.catalog import BASE_ID, Catalog
+from lorarl.app.paths import checked_run, shipped_recipes_dir
+from lorarl.app.train_tab import TrainTab
+from lorarl.app.views import POLL_OUTPUTS, view_outputs, view_stamp
+from lorarl.chat.catalog import BASE_ID
 from lorarl.errors import LorarlError
 
 PRIVATE = {"api_visibility": "private"}
@@ -32,18 +35,7 @@ def _err(e: Exception) -> str:
     return f"**error:** {e}"
 
 
-def model_choices(catalog: Catalog, current: str | None) -> list[str]:
-    """What the model dropdown offers: the chat's base (the runs' model), the embedded models, and the recipe's own
-    ``model.name`` (no free path from the browser)."""
-    from lorarl.model.registry import EMBEDDED
-
-    out = [catalog.base_model, *EMBEDDED]
-    if current:
-        out.append(str(current))
-    return list(dict.fromkeys(out))
-
-
-class Workbench:
+class Workbench(TrainTab, ExportTab):
     """The callbacks of the Train, Watch, retrain and Export controls over one runs folder and its recipe folders."""
 
     def __init__(self, session, runs_dir: Path, recipe_dirs: list[Path]):
@@ -56,15 +48,14 @@ class Workbench:
         self._watches: dict[Path, Any] = {}
         self._shown: dict[tuple[str, Path], tuple] = {}  # (browser session, run) -> view_stamp last sent
         self._resume_shown: dict[str, str] = {}  # run label -> digest of the code its Resume listed (press again)
+        self._blockers: dict[tuple, str | None] = {}  # (run, recipe, its mtime, overrides) -> resume_blocker's line
         self._lock = threading.Lock()
 
     # ---- choices ----------------------------------------------------------------------------------------------
-    def recipe_choices(self) -> list[tuple[str, str]]:
-        return [(c.label, str(c.path)) for c in recipes.list_recipes(self.recipe_dirs, self.runs_dir)]
-
     def run_choices(self) -> list[tuple[str, str]]:
-        """(label, name) of every run folder, newest first (its state is shown beside the dropdown)."""
-        return [(f"{r.name} · {r.algo or '?'}", r.name) for r in watch.list_runs(self.runs_dir)]
+        """(label, name) of every run folder, newest first: its name and algorithm (its state when the algorithm is
+        not known yet); the state line beside the dropdown says the rest."""
+        return [(f"{r.name} · {r.algo or r.state}", r.name) for r in watch.list_runs(self.runs_dir)]
 
     def checkpoint_choices(self) -> list[tuple[str, str]]:
         """The base and every run's adapters (final and saved steps), as the chat's catalog lists them."""
@@ -76,101 +67,12 @@ class Workbench:
             raise LorarlError("pick a recipe first")
         return recipes.check_recipe(path, self.recipe_dirs, self.runs_dir)
 
-    # ---- Train ------------------------------------------------------------------------------------------------
-    def on_recipes(self, current: str | None):
-        choices = self.recipe_choices()
-        return gr.Dropdown(choices=choices, value=current if current in {c[1] for c in choices} else None)
-
-    def on_recipe(self, path: str):
-        """Show a recipe: its header, the model dropdown, one slot per common field, the planner's line."""
-        try:
-            recipe = self._recipe(path)
-            fields, values = recipes.fields_for(recipe), recipes.field_values(recipe)
-            header = recipes.recipe_header(recipe)
-            code = recipes.code_entries(recipe)
-        except LorarlError as e:
-            return [gr.skip()] * 4 + [gr.skip()] * (2 * MAX_FIELDS) + [_err(e), ""]
-        others = [f for f in fields if f.key != MODEL_KEY][:MAX_FIELDS]
-        model = values.get(MODEL_KEY)
-        slots = [
-            gr.Textbox(label=f"{f.label}  ({f.key})", value=str(values[f.key]), visible=True)
-            if i < len(others)
-            else gr.Textbox(visible=False, value="")
-            for i, f in enumerate(others + [None] * (MAX_FIELDS - len(others)))
-        ]
-        md = "```text\n" + header + "\n```" if header else "_(no comment header)_"
-        if code:  # a recipe from a run folder may come from anywhere: what it runs is shown before a launch
-            md = "**runs code when launched:** " + "; ".join(f"`{c}`" for c in code) + "\n\n" + md
-        model_dd = gr.Dropdown(choices=model_choices(self.catalog, model), value=model, visible=MODEL_KEY in values)
-        return [
-            md,
-            model_dd,
-            "",
-            [f.key for f in others],
-            *slots,
-            *[""] * MAX_FIELDS,
-            self.plan_line(recipe),
-            "",
-        ]
-
-    def _values(self, recipe: Path, model: str | None, keys: list[str], slot_values) -> dict[str, Any]:
-        values = {k: v for k, v in zip(keys, slot_values)}
-        if model is not None and MODEL_KEY in recipes.field_values(recipe):
-            if model not in model_choices(self.catalog, recipes.field_values(recipe)[MODEL_KEY]):
-                raise LorarlError(f"model.name {model!r} is not one of the models offered")
-            values[MODEL_KEY] = model
-        return values
-
-    def _checked(self, path: str, model: str | None, keys: list[str], slot_values):
-        """``(recipe, overrides, errors, line)``: ``errors`` = the model's and every slot's error line; ``line`` the
-        planner's line, or what to fix (``overrides`` None when a field is refused)."""
-        recipe = self._recipe(path)
-        overrides, errors = recipes.validate(recipe, self._values(recipe, model, keys, slot_values))
-        slot_errs = [errors.get(k, "") for k in keys] + [""] * (MAX_FIELDS - len(keys))
-        outputs = [errors.get(MODEL_KEY, ""), *slot_errs]
-        if errors:
-            general = errors.get("", "")
-            return recipe, None, outputs, "fix the fields marked in red" + (f": {general}" if general else "")
-        return recipe, overrides, outputs, self.plan_line(recipe, overrides)
-
-    def plan_line(self, recipe: Path, overrides: list[str] | None = None) -> str:
-        """The planner's line; on CUDA its budget is the room a launch would get beside the chat
-        (:func:`lorarl.app.memory.room_for_run`), the figure the launch is checked against."""
-        return recipes.plan_line(recipe, overrides, budget_gb=self.memory.room_gb())
-
     # ---- the one door: every run, resume, retrain and export starts through the memory guard -----------------------
     def _launch(self, recipe: Path, name: str, overrides: list[str]) -> tuple[Path, str]:
         """Launch a new run through :meth:`MemoryGuard.start`; ``(run folder, the guard's note)``."""
         work = Work(f"the launch of run {name}", self.runs_dir / name, Path(recipe), tuple(overrides), pin=True)
         run_dir, admission = self.memory.start(work, lambda ov: self.runner.launch(recipe, name, ov))
         return run_dir, admission.note
-
-    def on_check(self, path, model, keys, *slot_values):
-        try:
-            _, _, outputs, plan = self._checked(path, model, keys, slot_values)
-        except LorarlError as e:
-            return [gr.skip()] * (1 + MAX_FIELDS) + [gr.skip(), _err(e)]
-        return [*outputs, plan, ""]
-
-    def on_launch(self, path, model, keys, run_name, *slot_values):
-        """Validate, check the memory rule, launch; then show the run in Watch."""
-        skip_watch = [gr.skip(), gr.skip()]
-        try:
-            recipe, overrides, outputs, plan = self._checked(path, model, keys, slot_values)
-        except LorarlError as e:
-            return [gr.skip()] * (1 + MAX_FIELDS) + [gr.skip(), _err(e), *skip_watch]
-        if overrides is None:
-            return [*outputs, plan, "**not launched:** a field was refused", *skip_watch]
-        try:
-            name = (run_name or "").strip()
-            check_run_name(name)
-            run_dir, note = self._launch(recipe, name, overrides)
-        except LorarlError as e:
-            return [*outputs, plan, f"**not launched:** {e}", *skip_watch]
-        shown = " ".join(overrides) or "(none)"
-        status = f"launched `{Path(run_dir).name}`: `lorarl train {recipe.name} --out {run_dir}` overrides: `{shown}`"
-        status += f" ({note})" if note else ""
-        return [*outputs, plan, status, gr.Tabs(selected="watch"), gr.Dropdown(self.run_choices(), value=run_dir.name)]
 
     # ---- Watch ------------------------------------------------------------------------------------------------
     def _run_dir(self, run: str) -> Path:
@@ -201,12 +103,31 @@ class Workbench:
                 view = follower.poll()
         except LorarlError as e:
             return [_err(e), *[gr.skip()] * (POLL_OUTPUTS - 1)]
+        blocker = self.resume_blocker(run_dir) if view.resumable and view.state in ("crashed", "failed") else None
+        if blocker:  # what made it crash is still there: Resume would crash again the same way
+            view = dataclasses.replace(view, resumable=False, note=f"Resume would fail the same way: {blocker}")
         key = (getattr(request, "session_hash", None) or "api", run_dir)
         stamp = view_stamp(view)
         fresh = self._shown.get(key) != stamp
         self._shown[key] = stamp
         live = self.runner.live()
         return view_outputs(view, fresh, live, self.runner.label(live) if live is not None else None)
+
+    def resume_blocker(self, run_dir: Path) -> str | None:
+        """What a resume of ``run_dir`` would fail on before its first step (:func:`lorarl.app.preflight.preflight`
+        of the recipe it resumes from: a missing adapter, data file or column), as ``key: line``; None when
+        nothing. Cached per recipe file version (the Watch tab asks on each look at a crashed run)."""
+        from lorarl.app.preflight import preflight
+
+        try:
+            recipe, overrides, _ = jobs.resume_source(run_dir, self.recipe_dirs, self.runs_dir)
+            stamp = (run_dir, str(recipe), recipe.stat().st_mtime_ns, tuple(overrides))
+            if stamp not in self._blockers:
+                errors = preflight(recipe, overrides)[0]
+                self._blockers[stamp] = "; ".join(f"{k}: {v}" for k, v in errors.items()) or None
+        except (LorarlError, OSError) as e:
+            return str(e)
+        return self._blockers[stamp]
 
     def on_stop(self, run: str):
         try:
@@ -221,6 +142,9 @@ class Workbench:
             run_dir = self._run_dir(run)
             label = self.runner.label(run_dir)
             recipe, overrides, _ = jobs.resume_source(run_dir, self.recipe_dirs, self.runs_dir)
+            blocker = self.resume_blocker(run_dir)
+            if blocker:
+                return f"**not resumed:** it would fail before its first step: {blocker}; fix that, then launch again"
             code = resume_code(recipe, overrides, label)
             if not self.catalog.consent.allowed(code):  # listed first; the second press is the consent
                 if self._resume_shown.get(label) != code.digest:
@@ -237,7 +161,7 @@ class Workbench:
             return _err(e)
         note = f" ({admission.note})" if admission.note else ""
         shown = " ".join([str(recipe), *overrides])
-        return f"resumed `{label}`: `lorarl train {shown} --out RUN --resume`{note}"
+        return f"resumed `{label}`: `lorarl train {shown} --out {run_dir} --resume`{note}"
 
     # ---- Chat: votes -> retrain -------------------------------------------------------------------------------
     def votes_line(self) -> str:
@@ -246,6 +170,11 @@ class Workbench:
         except LorarlError as e:
             return _err(e)
         return retrain.summary_line(s) if hasattr(retrain, "summary_line") else f"votes: {s}"
+
+    def after_votes(self, events) -> None:
+        """After each vote event (the chat's, :func:`lorarl.chat.handlers.wire`), refresh the votes line."""
+        for event in events:
+            event.then(self.votes_line, None, self.widgets.retrain.summary, **PRIVATE)
 
     def panes_note(self) -> str:
         """Which runs the panes offer (trained on the chat's base) and the runs left out, with why."""
@@ -288,34 +217,6 @@ class Workbench:
         return on_retrain
 
     # ---- Export -----------------------------------------------------------------------------------------------
-    def on_export_refresh(self, current: str | None):
-        choices = [c for c in self.checkpoint_choices() if c[1] != BASE_ID]
-        ids = {c[1] for c in choices}
-        return gr.Dropdown(choices=choices, value=current if current in ids else None)
-
-    def on_export(self, checkpoint_id: str, fmt: str, name: str):
-        """Export the picked checkpoint and show the fidelity gate's figures."""
-        try:
-            if not checkpoint_id or checkpoint_id == BASE_ID:
-                raise LorarlError("pick a run's checkpoint to export")
-            entry = self.catalog.get(checkpoint_id)
-            if entry.run is None or entry.kind != "adapter":
-                raise LorarlError(f"{checkpoint_id}: only a run's adapter checkpoints export from here")
-            step = checkpoint_id.split("/", 1)[1] if entry.step is not None else None
-            out_name = (name or "").strip() or f"{entry.run}-{step or 'final'}-{fmt}"
-            result, _ = self.memory.start(
-                Work(f"the export of {checkpoint_id}", None),
-                lambda _: exporting.export_with_gate(
-                    self.runs_dir / entry.run, fmt, out_name, runs_dir=self.runs_dir, checkpoint=step
-                ),
-            )
-        except LorarlError as e:
-            return _err(e), "", gr.skip()
-        except Exception as e:  # noqa: BLE001 - a failure outside the export's own (the catalog, the guard): one line
-            return _err(runstate.error_line(e)), "", gr.skip()
-        summary, rows = gate_view(result)
-        status = f"exported `{entry.id}` as {fmt} to `{result.get('out')}`"
-        return status, summary, gr.Dataframe(value=rows, visible=bool(rows))
 
 
 def resume_code(recipe: Path, overrides: list[str], label: str):
@@ -329,122 +230,21 @@ def resume_code(recipe: Path, overrides: list[str], label: str):
     return run_code(dataclasses.asdict(load_recipe(recipe, overrides, strict=False)), recipe, f"run {label}")
 
 
-def gate_view(result: dict) -> tuple[str, list[list[str]]]:
-    """The export result's gate as (summary line, table rows of its figures)."""
-    gate = result.get("gate")
-    line = result.get("summary") or result.get("summary_line") or ""
-    if not gate:
-        return (line or "no fidelity gate for this format"), []
-    if not line:
-        from lorarl.export.gate import summary_line
-
-        line = summary_line(gate)
-    rows = []
-    for key, value in gate.items():
-        if isinstance(value, (dict, list)):
-            continue
-        rows.append([key, f"{value:.4g}" if isinstance(value, float) else str(value)])
-    return line, rows
-
-
-POLL_OUTPUTS = 7 + len(PLOTS)  # state, progress, the curves, warnings, crash lines, completions, Stop, Resume
-
-
-def view_stamp(view: watch.WatchView) -> tuple:
-    """What the curves and completions table show: changes when a row or a completion was added or replaced."""
-    last = {k: v[-1] if v else None for k, v in view.series.items()}
-    comp = view.completions[-1] if view.completions else None
-    return (
-        view.run,
-        tuple(sorted((k, len(v)) for k, v in view.series.items())),
-        str(last),
-        len(view.completions),
-        str(comp),
-    )
-
-
-def _frame(points: list[tuple[int, float]]):
-    """A curve's points as the line plot's frame; typed even when empty (an untyped empty frame would make the plot's
-    axes nominal for good)."""
-    import pandas as pd
-
-    steps = pd.Series([p[0] for p in points], dtype="int64")
-    return pd.DataFrame({"step": steps, "value": pd.Series([p[1] for p in points], dtype="float64")})
-
-
-def _clip(text: Any, n: int = 300, end: bool = False) -> str:
-    """``text`` cut to ``n`` characters: its beginning, or with ``end`` its end (a prompt's question comes last,
-    after the chat template's system turn)."""
-    text = "" if text is None else str(text)
-    if len(text) <= n:
-        return text
-    return "…" + text[-(n - 1) :] if end else text[: n - 1] + "…"
-
-
-def completion_rows(completions: list[dict]) -> list[list]:
-    """The completions table, newest first: step, reward, advantage, prompt, completion (texts clipped)."""
-    rows = []
-    for c in reversed(completions):
-        adv = c.get("advantage")
-        rows.append(
-            [
-                c.get("step"),
-                c.get("reward"),
-                "" if adv is None else adv,
-                _clip(c.get("prompt"), 160, end=True),
-                _clip(c.get("completion")),
-            ]
-        )
-    return rows
-
-
-def state_markdown(view: watch.WatchView) -> str:
-    """The run's state in one line (with its error line when it crashed or failed)."""
-    text = f"**{view.run}**: {view.state}"
-    if view.error:
-        text += f" — {view.error}"
-    return text
-
-
-def view_outputs(
-    view: watch.WatchView, fresh: bool = True, live_run: Path | None = None, live_label: str | None = None
-) -> list:
-    """A :class:`~lorarl.app.watch.WatchView` as the Watch tab's outputs (the order of :data:`POLL_OUTPUTS`);
-    ``fresh`` False: the curves and the table are left as the browser has them. ``live_run``: the run a process is
-    training now (any run: Resume waits until no process is left, as the one-job rule does), ``live_label`` how the
-    page names it (``NAME`` or ``PIPELINE/STAGE``; default the folder's name). Resume is enabled when
-    ``view.resumable`` and no process trains."""
-    plots = [_frame(view.series.get(label, [])) if fresh else gr.skip() for label in PLOTS]
-    warnings = "\n".join(f"- ⚠ {_clip(w, 400)}" for w in view.warnings[-10:]) if view.warnings else ""
-    crash = gr.Textbox(value="\n".join(view.crash_lines), visible=bool(view.crash_lines))
-    table = completion_rows(view.completions) if fresh else gr.skip()
-    mine = live_run is not None and (live_label or Path(live_run).name) == view.run
-    state = state_markdown(view)
-    if mine and view.state == "new":
-        state += " (its process is starting)"
-    elif mine and view.state not in ("running", "starting"):
-        state += " (its process is still exiting)"
-    return [
-        state,
-        view.progress.text,
-        *plots,
-        warnings,
-        crash,
-        table,
-        gr.Button(interactive=view.state in ("running", "starting") or (mine and view.state == "new")),
-        gr.Button(interactive=live_run is None and view.resumable),
-    ]
-
-
 def build_and_wire(session, chat_handlers, runs_dir: Path, recipe_dirs, chat: Callable[[], Any]):
     """Build the tabs around the chat (``chat()`` builds its components) and wire the workbench's events; returns the
     chat's widgets (the caller wires them)."""
     wb = Workbench(session, runs_dir, recipe_dirs or [shipped_recipes_dir()])
     widgets, chat_widgets = build_workbench(
-        wb.recipe_choices(), wb.run_choices(), wb.checkpoint_choices(), chat, base_model=str(wb.catalog.base_model)
+        wb.recipe_choices(),
+        wb.run_choices(),
+        wb.checkpoint_choices(),
+        chat,
+        export_pick=wb.export_choices()[1],
+        base_model=str(wb.catalog.base_model),
+        start_recipe=wb.start_recipe(),
     )
     wire_workbench(widgets, wb, chat_widgets, chat_handlers)
-    widgets.workbench = wb
+    widgets.workbench, wb.widgets = wb, widgets
     session.workbench = wb  # for tests and embedding
     return chat_widgets
 
@@ -452,14 +252,19 @@ def build_and_wire(session, chat_handlers, runs_dir: Path, recipe_dirs, chat: Ca
 def wire_workbench(w: WorkbenchWidgets, wb: Workbench, chat_widgets, chat_handlers) -> None:
     """Connect the tabs' events (all private)."""
     t, wt, r, x = w.train, w.watch, w.retrain, w.export
-    field_out = [t.model_error, *t.errors, t.plan, t.status]
-    shown = [t.header, t.model, t.model_error, t.keys, *t.slots, *t.errors, t.plan, t.status]
+    from gradio.context import Context
+
+    field_out = [t.model_error, *t.adapter_errors, *t.errors, t.plan, t.status]
+    shown = [t.header, t.model, t.model_error, t.keys, *t.adapters, *t.adapter_errors, *t.slots, *t.errors]
+    shown += [t.plan, t.status]
     t.recipe.change(wb.on_recipe, t.recipe, shown, **PRIVATE)
+    Context.root_block.load(wb.on_recipe, t.recipe, shown, **PRIVATE)  # a first visit opens on the start recipe
     t.refresh.click(wb.on_recipes, t.recipe, t.recipe, **PRIVATE)
-    t.check.click(wb.on_check, [t.recipe, t.model, t.keys, *t.slots], field_out, **PRIVATE)
-    launch_in = [t.recipe, t.model, t.keys, t.run_name, *t.slots]
-    t.launch.click(wb.on_launch, launch_in, [*field_out, w.tabs, wt.run], **PRIVATE)
-    poll_out = [wt.state, wt.progress, *wt.plots.values(), wt.warnings, wt.crash, wt.completions, wt.stop, wt.resume]
+    check_in = [t.recipe, t.model, *t.adapters, t.keys, t.run_name, *t.slots]  # Check and Launch read the same
+    t.check.click(wb.on_check, check_in, field_out, **PRIVATE)
+    t.launch.click(wb.on_launch, check_in, [*field_out, w.tabs, wt.run], **PRIVATE)
+    poll_out = [wt.state, wt.progress, wt.result, *wt.plots.values(), wt.warnings, wt.log, wt.completions]
+    poll_out += [wt.stop, wt.resume]
     assert len(poll_out) == POLL_OUTPUTS
     wt.timer.tick(wb.on_poll, wt.run, poll_out, show_progress="hidden", **PRIVATE)
     wt.run.change(wb.on_poll, wt.run, poll_out, **PRIVATE)
@@ -477,4 +282,5 @@ def wire_workbench(w: WorkbenchWidgets, wb: Workbench, chat_widgets, chat_handle
         button.click(wb.retrain_handler(kind), r.start, [r.status, w.tabs, wt.run], **PRIVATE)
     x.refresh.click(wb.on_export_refresh, x.checkpoint, x.checkpoint, **PRIVATE)
     w.export_tab.select(wb.on_export_refresh, x.checkpoint, x.checkpoint, **PRIVATE)
-    x.export.click(wb.on_export, [x.checkpoint, x.fmt, x.name], [x.status, x.summary, x.figures], **PRIVATE)
+    export_in = [x.checkpoint, x.fmt, x.name, x.force, x.minimum]
+    x.export.click(wb.on_export, export_in, [x.status, x.summary, x.figures, x.export], **PRIVATE)

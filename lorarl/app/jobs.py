@@ -13,7 +13,9 @@ launch did.
 
 The one-job rule: a launch or resume is refused, naming the live run, while any run under the runs folder (or a
 stage of a pipeline there, ``RUNS/NAME/STAGE``) has a live process. Stop sends SIGTERM
-(:func:`lorarl.runstate.request_stop`): the loop finishes its step, writes a checkpoint and exits 0. Resume
+(:func:`lorarl.runstate.request_stop`): the loop finishes its step, writes a checkpoint and exits 0, or, when the
+stop comes while the step generates, abandons the step and keeps the step before it (the returned line says which,
+from ``RUN/step.json``: :func:`lorarl.app.live.stop_forecast`). Resume
 (:func:`resume_source`) runs ``lorarl train RECIPE --out RUNS/NAME --resume [overrides]`` with the launch's recipe and
 overrides when they still give the run's saved ``recipe.yaml``, else ``RUNS/NAME/recipe.yaml`` itself.
 """
@@ -30,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from lorarl.app.live import stop_forecast
 from lorarl.app.paths import check_run_name, checked_recipe, checked_run, is_inside, is_pipeline_dir, run_label
 from lorarl.config import load_recipe, parse_override
 from lorarl.errors import LorarlError
@@ -50,6 +53,7 @@ from lorarl.runstate import (
     write_pid,
     write_state,
 )
+from lorarl.stepprogress import read_step
 
 LAUNCH_LOCK = ".launch.lock"
 # override keys that would run code chosen on the page (a tool, an environment, a reward function): refused
@@ -333,8 +337,9 @@ class JobRunner:
             and proc.poll() is None
             and (state_mtime is None or state_mtime < self._started.get(run, float("inf")))
         )
-        if not loading and request_stop(run, not_my_group=True):
-            return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
+        if not loading and request_stop(run, not_my_group=True):  # what it will do: lorarl.app.live.stop_forecast
+            done = read_state(run).get("step", 0)
+            return f"asked run {name} to stop: {stop_forecast(read_step(run), done if isinstance(done, int) else 0)}"
         pid = live_pid(run)
         why = stop_refusal(run, pid, not_my_group=True) if pid is not None and not loading else None
         if why:

@@ -53,7 +53,7 @@ COMMON_FIELDS: list[Field] = [
     Field("grpo.group_size", "group size (completions per prompt)", "int"),
     Field("generation.max_new_tokens", "max new tokens", "int"),
     Field(REWARD_WEIGHT, "reward weight", "float"),
-    Field("eval.every", "evaluate every N steps (0: at the end)", "int"),
+    Field("eval.every", "evaluate every N steps", "int"),  # label completed per algorithm: eval_every_label
 ]
 
 
@@ -139,6 +139,9 @@ def fields_for(path: str | os.PathLike) -> list[Field]:
         section = f.key.split(".")[0]
         if section not in uses:
             continue
+        if f.key == "eval.every":
+            out.append(Field(f.key, eval_every_label(recipe.algo), f.kind))
+            continue
         if f.key == REWARD_WEIGHT:
             if recipe.reward.source == "reward_model":
                 continue
@@ -147,6 +150,15 @@ def fields_for(path: str | os.PathLike) -> list[Field]:
             continue
         out.append(f)
     return out
+
+
+def eval_every_label(algo: str) -> str:
+    """What ``eval.every`` 0 means for ``algo``, as the run loop does it (:func:`lorarl.algos.loop.eval_due` with the
+    algorithm's ``final_eval``): one evaluation at the last step, or none during training."""
+    from lorarl.app.results import final_eval_of
+
+    zero = "only at the last step" if final_eval_of(algo) else "no held-out evaluation during training"
+    return f"evaluate every N steps (0: {zero})"
 
 
 def field_values(path: str | os.PathLike) -> dict[str, Any]:
@@ -269,6 +281,31 @@ def host_memory_gb() -> float | None:
     return None
 
 
+def cost_block(path: str | os.PathLike, overrides: list[str] | None = None, budget_gb: float | None = None) -> str:
+    """The Train tab's cost block for the recipe with ``overrides`` on this machine (:mod:`lorarl.app.cost`): memory,
+    time and a GPU recipe's warning on a CPU; the planner's line alone when the recipe does not load."""
+    import torch
+
+    from lorarl.app.cost import cost_markdown, machine_line, recipe_costs
+
+    planner = plan_line(path, overrides, budget_gb)
+    try:
+        recipe = load_recipe(path, overrides or [])
+    except LorarlError:
+        return planner
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_properties(0).name if cuda else None
+    return cost_markdown(
+        recipe_costs(recipe_header(path)),
+        device="cuda" if cuda else "cpu",
+        machine=machine_line(name, None if cuda else host_memory_gb()),
+        steps=recipe.train.steps,
+        planner=planner,
+        changed=[o.split("=", 1)[0] for o in overrides or []],
+        model=recipe.model.name,
+    )
+
+
 def plan_line(path: str | os.PathLike, overrides: list[str] | None = None, budget_gb: float | None = None) -> str:
     """The planner's peak estimate of one step of this recipe on this machine, in one line: on CUDA against the
     device's total memory (or ``budget_gb``), on a CPU as host memory (fp32, no NF4) beside what is available."""
@@ -307,9 +344,7 @@ def plan_line(path: str | os.PathLike, overrides: list[str] | None = None, budge
             f"{budget:.1f} GB on {props.name} -> {verdict}; micro-batch {mb} (picked {pick['micro_batch_size']})"
         )
     est = estimate_memory(shape, s, micro_batch_size=int(mb) if mb != "auto" else 1)
-    avail = host_memory_gb()
-    have = f"; {avail:.1f} GB available" if avail is not None else ""
     return (
-        f"plan: CPU: host memory: the planner's tensor peak {est['peak_bytes'] / GB:.2f} GB ({est['peak_phase']}, "
-        f"fp32, {shape.name}; it models GPU allocations, a CPU run's RSS differs){have}"
+        f"plan: the planner's tensor peak {est['peak_bytes'] / GB:.2f} GB ({est['peak_phase']}, fp32, {shape.name}); "
+        "it models GPU allocations, not a CPU process's RSS, and the recipe has no measured CPU figure"
     )

@@ -51,7 +51,7 @@ class VotesSummary:
     @property
     def text(self) -> str:
         if not self.rows and not self.ties:
-            return f"no votes yet ({self.path} does not exist or is empty): vote in the Chat tab"
+            return f"no votes yet ({self.path} does not exist or is empty): vote on two panes' answers in the Chat tab"
         extra = f", {self.unusable} unusable row(s) left out" if self.unusable else ""
         return f"{self.usable} usable preference pair(s) in {self.path} ({self.ties} tie(s) left out{extra})"
 

@@ -22,12 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorarl.app.jobs import FINAL_ADAPTERS, LOG_FILE, resume_refusal
+from lorarl.app.jobs import FINAL_ADAPTERS, LOG_FILE, read_launch, resume_refusal
+from lorarl.app.live import inside_step, stop_outcome
 from lorarl.app.paths import EXPORTS, is_pipeline_dir
+from lorarl.app.results import empty_reason, eval_files, final_eval_of, format_seconds, result_markdown
 from lorarl.app.timeleft import eta_seconds, evaluation_per_step
 from lorarl.errors import LorarlError
 from lorarl.runs import is_adapter
 from lorarl.runstate import COMPLETIONS_FILE, PID_FILE, live_pid, read_state
+from lorarl.stepprogress import read_step
 
 METRICS_FILE = "metrics.jsonl"
 # curve label -> the metric keys that feed it, first present wins (GRPO / PPO / DPO / reward model / SFT)
@@ -120,13 +123,6 @@ def series_key(rows: list[dict], keys: tuple[str, ...]) -> str | None:
     return None
 
 
-def format_seconds(s: float | None) -> str:
-    if s is None:
-        return "?"
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 @dataclass
 class Progress:
     """``step`` of ``last_step``, the median step time and the time left (seconds; None when unknown)."""
@@ -135,13 +131,15 @@ class Progress:
     last_step: int | None = None
     step_time_s: float | None = None
     eta_s: float | None = None
+    inside: str = ""  # the running step now (lorarl.app.live.inside_step): phase, tokens, seconds
 
     @property
     def text(self) -> str:
         of = f"/{self.last_step}" if self.last_step else ""
         per = f", {self.step_time_s:.1f} s/step" if self.step_time_s is not None else ""
         left = f", about {format_seconds(self.eta_s)} left" if self.eta_s is not None else ""
-        return f"step {self.step}{of}{per}{left}"
+        now = f" · now {self.inside}" if self.inside else ""
+        return f"step {self.step}{of} done{per}{left}{now}" if self.inside else f"step {self.step}{of}{per}{left}"
 
 
 @dataclass
@@ -160,6 +158,10 @@ class WatchView:
                  recipe or launch record; not a finished run, nor a pipeline's stage: :func:`lorarl.app.jobs.
                  resume_refusal`). No process trains it now either.
     log_tail:    the last 20 lines of train.log; ``crash_lines`` the same when crashed or failed, else [].
+    result:      a finished run's held-out result, training figures and total time (:mod:`lorarl.app.results`).
+    note:        a stopped run: how the stop ended (the step finished and saved, or abandoned while generating);
+                 a crashed one: why Resume would fail the same way (set by the page).
+    empty:       for each curve of :data:`SERIES` with no point, why (``eval.every`` 0, ``kl.coef`` 0, ...).
     """
 
     run: str
@@ -175,6 +177,9 @@ class WatchView:
     latest: dict = field(default_factory=dict)  # the newest metrics row
     new_rows: int = 0  # metrics rows read by this poll
     resumable: bool = False
+    result: str = ""  # a finished run's result line (lorarl.app.results.result_markdown)
+    note: str = ""  # a stopped run: how its stop ended (lorarl.app.live.stop_outcome)
+    empty: dict[str, str] = field(default_factory=dict)  # curve label -> why it has no point
 
 
 def health_warnings(rows: list[dict], log_warnings: list[str]) -> list[str]:
@@ -246,6 +251,21 @@ class RunWatch:
         self.completions: deque = deque(maxlen=RECENT)
         self.log_lines: deque = deque(maxlen=200)
         self.warnings: list[str] = []
+        self._recipe: tuple[float, dict] | None = None  # (recipe.yaml mtime, its mapping)
+
+    def recipe(self) -> dict:
+        """The run's ``recipe.yaml`` as a mapping (read again when it changes; {} when missing or unreadable)."""
+        from lorarl.config import yaml_load
+
+        path = self.run_dir / "recipe.yaml"
+        try:
+            mtime = path.stat().st_mtime
+            if self._recipe is None or self._recipe[0] != mtime:
+                data = yaml_load(path.read_text(encoding="utf-8"))
+                self._recipe = (mtime, data if isinstance(data, dict) else {})
+        except Exception:  # no or unreadable recipe: nothing to say from it
+            return {}
+        return self._recipe[1]
 
     def _read(self) -> int:
         new = _json_rows(self._metrics.read())
@@ -294,7 +314,17 @@ class RunWatch:
                 if state in ("running", "starting")
                 else None
             ),
+            inside=inside_step(read_step(self.run_dir), rows) if state == "running" else "",
         )
+        recipe = self.recipe()
+        files = eval_files(self.run_dir)
+        measured = any(files.values())
+        final_eval = final_eval_of(recipe.get("algo", "grpo"))
+        empty = {
+            label: empty_reason(label, SERIES[label], recipe, rows, final_eval, measured)
+            for label in SERIES
+            if label not in series
+        }
         return WatchView(
             run=self.name,
             state=state,
@@ -309,6 +339,9 @@ class RunWatch:
             latest=rows[-1] if rows else {},
             new_rows=new_rows,
             resumable=resumable,
+            result=result_markdown(self.run_dir, rows, last_step, files) if state == "finished" else "",
+            note=stop_outcome(tail, step) if state == "stopped" else "",
+            empty=empty,
         )
 
 
@@ -367,13 +400,18 @@ def _mtime(paths: list[Path]) -> float:
 
 
 def _algo(run: Path) -> str | None:
+    """The run's algorithm: its ``recipe.yaml``'s, else (a launch still loading) the launched recipe's."""
     from lorarl.config import yaml_load
 
-    try:
-        data = yaml_load((run / "recipe.yaml").read_text(encoding="utf-8"))
-    except Exception:  # no or unreadable recipe
-        return None
-    return str(data.get("algo", "grpo")) if isinstance(data, dict) else None
+    launch = read_launch(run)
+    for path in (run / "recipe.yaml", Path(launch["recipe"]) if launch else None):
+        try:
+            data = yaml_load(path.read_text(encoding="utf-8")) if path is not None else None
+        except Exception:  # no or unreadable recipe
+            continue
+        if isinstance(data, dict):
+            return str(data.get("algo", "grpo"))
+    return None
 
 
 def summarize(run: Path, name: str) -> RunSummary | None:

@@ -136,7 +136,9 @@ def build_app(
             widgets = build_and_wire(session, handlers, Path(runs_dir), recipe_folders(recipe_dirs), chat)
         else:
             widgets = chat()
-        wire(widgets, handlers)
+        votes = wire(widgets, handlers)
+        if workbench:
+            session.workbench.after_votes(votes)  # the retrain line counts a vote as soon as it is saved
         register_api(session)
     demo.lorarl_session = session  # for tests and embedding
     return demo

@@ -302,8 +302,9 @@ class Handlers:
         return on_vote
 
 
-def wire(w: Widgets, h: Handlers) -> None:
-    """Connect the components' events to the handlers (all private: not part of the client API)."""
+def wire(w: Widgets, h: Handlers) -> list:
+    """Connect the components' events to the handlers (all private: not part of the client API). Returns the vote
+    events (the workbench refreshes its votes line after each)."""
     p = w.panes
     private = {"api_visibility": "private"}
     settings = w.settings.inputs()
@@ -320,6 +321,8 @@ def wire(w: Widgets, h: Handlers) -> None:
     w.settings.reward.change(h.on_reward, code_in, w.status, **private)
     w.allow_code.click(h.on_allow_code, code_in, w.status, **private)
     w.refresh.click(h.on_refresh, p.pickers, [*p.pickers, w.settings.reward, w.status], **private)
+    votes = []
     for verdict in ("left", "right", "tie"):
         inputs = [w.votes["left_pane"], w.votes["right_pane"], w.turn, *p.bots]
-        w.votes[verdict].click(h.vote_handler(verdict), inputs, [w.status, w.turn], **private)
+        votes.append(w.votes[verdict].click(h.vote_handler(verdict), inputs, [w.status, w.turn], **private))
+    return votes

@@ -283,8 +283,9 @@ class EvalConfig:
     n: int = 200  # held-out examples
     batch_size: int = 32  # rows per generate / scoring forward
     max_new_tokens: int | None = None  # default: generation.max_new_tokens
-    every: int = 0  # evaluate during training every N steps and at the last (logged as eval/...); 0: only at the end
-    #               for reward models, never for policies (run `lorarl eval`)
+    every: int = 0  # evaluate during training every N steps and at the last (logged as eval/...); 0: only at the last
+    #               step for algorithms that evaluate at the end (reward_model, dpo, online_dpo: final_eval), never
+    #               for the others (grpo, ppo, sft, rejection_sampling: run `lorarl eval`)
 
     def validate(self, where: str) -> None:
         check(self.n >= 1, where, "eval.n", "must be >= 1")

@@ -122,4 +122,22 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+# what the scorer passes itself (TRL's names), not dataset columns
+SCORER_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def builtin_columns(name: str) -> tuple[str, ...]:
+    """The dataset columns built-in reward ``name`` reads: its parameters whose default is None, what the scorer
+    passes itself (:data:`SCORER_ARGS`) aside (``answer`` of ``numeric_match``, ``tests`` of ``code_tests``); ()
+    for other names (a user's function takes what it takes through ``**kwargs``). The workbench asks for them
+    before a launch or a chat score needs them."""
+    import inspect
+
+    fn = BUILTIN_REWARDS.get(name)
+    if fn is None:
+        return ()
+    params = inspect.signature(fn).parameters.values()
+    return tuple(p.name for p in params if p.name not in SCORER_ARGS and p.default is None)
+
+
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from lorarl.model.sampling import SamplerLogprobs, generation_kwargs
 from lorarl.model.tokens import pad_left, position_ids
 from lorarl.rollout.prefix_kv import KeptRows, ReusesKV, fed_columns
 from lorarl.runstate import abandon_if_stopped, observed_stop
+from lorarl.stepprogress import progress_criteria
 
 
 @dataclass
@@ -200,6 +201,11 @@ class HFEngine(DecodeEngine):
         dev, W = shared.device, ids.shape[1]
         extra = cache_arg(cache) if cache is not None else {}
         extra.update(stop_criteria())  # a stop request ends the call at the next token, and the step is abandoned
+        tokens = progress_criteria(W, kwargs.get("max_new_tokens") or 0)  # RUN/step.json's token count (a step only)
+        if tokens:
+            from transformers import StoppingCriteriaList
+
+            extra["stopping_criteria"] = StoppingCriteriaList([*extra.get("stopping_criteria", []), *tokens])
         if self.prefix_kv is None:
             new = shared.generate(ids.to(dev), mask.long().to(dev), **extra, **kwargs)[:, W:]
             abandon_if_stopped()

@@ -37,6 +37,7 @@ from lorarl.rollout.fast.sampling import SamplerSettings, cache_length
 from lorarl.rollout.fast.state import DecodeState, cache_layers, prefill, unique_prompts
 from lorarl.rollout.prefix_kv import KeptRows, fed_columns
 from lorarl.runstate import abandon_if_stopped
+from lorarl.stepprogress import note_tokens
 
 if TYPE_CHECKING:
     from lorarl.config import GenerationConfig
@@ -203,6 +204,7 @@ class FastEngine(DecodeEngine):
             abandon_if_stopped()  # a training step's stop request (a host flag: no device sync): the step is abandoned
             run()
             done += 1
+            note_tokens(done, new_tokens)  # RUN/step.json (at most once a second; a no-op outside a training step)
         self.steps_run += done
         if self.prefix_kv is not None:  # keep the rows' real tokens for the next call (sampled token s: column P + s)
             row_mask = mask.index_select(0, torch.as_tensor(inverse))
