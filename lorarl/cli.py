@@ -231,10 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--force", action="store_true", help="replace an existing export folder")
     x.set_defaults(func=cmd_export)
 
-    c = sub.add_parser("chat", help="chat with the base and trained checkpoints side by side (Gradio)")
-    c.add_argument("--runs", default="runs", help="directory of runs and exports to offer")
-    c.add_argument("--host", default="127.0.0.1")
-    c.add_argument("--port", type=int, default=7860)
+    c = sub.add_parser(
+        "chat",
+        help="the workbench in the browser: train, watch, chat side by side, vote, retrain, export (Gradio)",
+        description=(
+            "The browser workbench on a runs folder (http://127.0.0.1:7860): Train (pick a recipe, change its fields, "
+            "launch `lorarl train` in its own process), Watch (state, curves, the held-out result, Stop / Resume), "
+            "Chat (the base and trained checkpoints side by side, votes saved as preference pairs, DPO or a reward "
+            "model retrained on them) and Export (merged / adapter / GGUF with the fidelity gate). Serves on "
+            "loopback only; --chat-only serves the chat alone. docs/workbench.md."
+        ),
+    )
+    c.add_argument("--runs", default="runs", help="directory of runs and exports to offer (and where runs go)")
+    c.add_argument("--host", default="127.0.0.1", help="address to serve on (the workbench: loopback only)")
+    c.add_argument("--port", type=int, default=7860, help="port to serve on")
     c.add_argument("--model", default=None, help="base model (default: the runs' base, else the embedded default)")
     c.add_argument(
         "--recipes",

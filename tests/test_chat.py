@@ -231,6 +231,32 @@ def test_rewards_from_rules_and_reward_adapter(engine):
         engine.score("rm:../outside-run", [USER] * 2, answers)
 
 
+def test_a_reward_without_its_column_is_asked_for_and_regenerate_takes_the_next_seed(engine, tmp_path):
+    """The page asks for the column a chosen reward reads (choosing it, and sending without it: the panes answer,
+    nothing is scored, one line says what to fill) instead of a ValueError in each pane; Regenerate samples with the
+    next seed (a fixed seed would repeat the answer), a negative (random) seed stays."""
+    import gradio as gr
+
+    from lorarl.chat.handlers import Handlers
+    from lorarl.chat.session import ChatSession
+
+    h = Handlers(ChatSession(engine, tmp_path / "prefs.jsonl", tmp_path / "ties.jsonl"))
+    ask = "reward rules:demo: numeric_match reads the column 'answer'; give it in “Reward columns”"
+    example = ' (e.g. {"answer": "..."}: the expected answer)'
+    assert h.on_reward("rules:demo", 2, "base", "base", "base", "base") == ask + example
+    assert "Reward columns" not in h.on_reward("rules:demo", 2, "base", "base", "base", "base", '{"answer": "4"}')
+    request = gr.Request()
+    frames = list(h.on_send("What is 2 + 2?", 2, "base", "demo/policy", "base", "base", *[[]] * 4,
+                            "", 0.0, 1.0, 4, 0, "rules:demo", "", request))  # fmt: skip
+    last = frames[-1]
+    assert last[4:6] == ["", ""]  # no reward under either answer ...
+    assert last[9].startswith("done: ") and last[9].endswith(f" · not scored: {ask}{example}")  # ... one line says
+    assert "greedy (the same answer for any seed)" in last[9]
+    assert h.next_seed(0) == 1 and h.next_seed(41.0) == 42 and h.next_seed(-1) == -1
+    with pytest.raises(gr.Error):
+        h.next_seed(1.5)
+
+
 def test_rule_rewards_are_read_from_old_and_new_recipe_layouts(tmp_path):
     """Runs saved before the recipe's ``reward`` section (``rewards``, ``ppo.reward_source``) and after it."""
     from lorarl.chat.catalog import read_recipe, rule_specs

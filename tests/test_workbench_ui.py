@@ -669,15 +669,12 @@ def test_view_outputs_crash_lines_and_buttons():
     assert len(out) == POLL_OUTPUTS
     assert out[0] == "**r**: crashed — boom" and out[1] == "step 3/10" and out[2] == ""  # no result: not finished
     reward, kl = out[3], out[5]
-    assert reward.value["data"] == [[1, 0.5], [2, 0.25]] and reward.caption in ("", None)
-    assert (
-        kl.value["data"] == []
-        and kl.caption == "empty: not computed: grpo.kl.coef is 0 (the reference model never runs)"
-    )
-    assert kl.value["datatypes"] == {"step": "quantitative", "value": "quantitative"}  # typed, though empty
-    assert "health: no reward signal" in out[9]
-    assert out[10].visible and out[10].value == "Traceback\nRuntimeError: boom" and "the run crashed" in out[10].label
-    (row,) = out[11]
+    assert reward.value["data"] == [[1, 0.5], [2, 0.25]] and out[9] == "" and reward.x_lim == [0, 10]
+    assert kl.value["data"] == [] and kl.value["datatypes"]["value"] == "quantitative"  # an empty, typed frame ...
+    assert out[11] == "empty: not computed: grpo.kl.coef is 0 (the reference model never runs)"  # ... and why
+    assert "health: no reward signal" in out[15]
+    assert out[16].visible and out[16].value == "Traceback\nRuntimeError: boom" and "the run crashed" in out[16].label
+    (row,) = out[17]
     assert row[0] == 2 and row[1] == 1.0 and row[3] == 1 and len(row[4]) == 160 and row[4].startswith("…")
     assert out[-2].interactive is False and out[-1].interactive is True  # stopped / crashed: Resume
     import dataclasses
@@ -687,7 +684,7 @@ def test_view_outputs_crash_lines_and_buttons():
     assert busy[-1].interactive is False  # another run trains: the one-job rule
     import gradio as gr
 
-    assert busy[3:9] == [gr.skip()] * 6 and busy[11] == gr.skip()  # unchanged: the curves and table are not resent
+    assert busy[3:9] == [gr.skip()] * 6 and busy[17] == gr.skip()  # unchanged: the curves and table are not resent
     finished = WatchView(run="r", state="finished", error=None, progress=Progress(step=10, last_step=10))
     exiting = view_outputs(finished, live_run=Path("runs/r"))  # state written, its process not gone yet
     assert exiting[0].endswith("(its process is still exiting)")

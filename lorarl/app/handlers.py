@@ -263,7 +263,8 @@ def wire_workbench(w: WorkbenchWidgets, wb: Workbench, chat_widgets, chat_handle
     check_in = [t.recipe, t.model, *t.adapters, t.keys, t.run_name, *t.slots]  # Check and Launch read the same
     t.check.click(wb.on_check, check_in, field_out, **PRIVATE)
     t.launch.click(wb.on_launch, check_in, [*field_out, w.tabs, wt.run], **PRIVATE)
-    poll_out = [wt.state, wt.progress, wt.result, *wt.plots.values(), wt.warnings, wt.log, wt.completions]
+    poll_out = [wt.state, wt.progress, wt.result, *wt.plots.values(), *wt.notes.values(), wt.warnings, wt.log]
+    poll_out += [wt.completions]
     poll_out += [wt.stop, wt.resume]
     assert len(poll_out) == POLL_OUTPUTS
     wt.timer.tick(wb.on_poll, wt.run, poll_out, show_progress="hidden", **PRIVATE)

@@ -30,6 +30,11 @@ EXPORT_FORMATS = ["merged", "adapter", "gguf"]
 GATE_MINIMUM = WARN_BELOW  # the Export tab's default minimum greedy agreement (below it `lorarl export` warns)
 CSS = """
 .field-error {color: #c0392b; min-height: 0; font-size: 0.9em}
+.field-error * {color: #c0392b !important}
+.plot-note {font-size: 0.85em; min-height: 0; margin-top: -0.5em}
+#wb-recipe-header pre, #wb-recipe-header code {white-space: pre-wrap !important; overflow-wrap: anywhere}
+#wb-completions th, #wb-gate th {word-break: keep-all; overflow-wrap: normal; hyphens: none}
+.plot-note * {color: #6b7280 !important}
 #wb-train-status, #wb-watch-status, #wb-retrain-status, #wb-export-status {min-height: 1.5em}
 """
 
@@ -64,6 +69,7 @@ class WatchTab:
     stop: Any
     resume: Any
     plots: dict[str, Any]
+    notes: dict[str, Any]  # under each curve: why it is empty (empty when it has points)
     warnings: Any
     log: Any  # the last lines of RUN/train.log (a crashed run's included)
     completions: Any
@@ -160,7 +166,9 @@ def _train_tab(recipes: list[tuple[str, str]], base_model: str, start: str | Non
 
 def _watch_tab(runs: list[tuple[str, str]]) -> WatchTab:
     with gr.Row():
-        run = gr.Dropdown(runs, value=runs[0][1] if runs else None, label="Run", elem_id="wb-run", scale=4)
+        run = gr.Dropdown(
+            runs, value=runs[0][1] if runs else None, label="Run", elem_id="wb-run", scale=4, min_width=320
+        )
         refresh = gr.Button("Refresh", scale=0, elem_id="wb-run-refresh")
         stop = gr.Button("Stop", scale=0, elem_id="wb-stop", variant="stop")
         resume = gr.Button("Resume", scale=0, elem_id="wb-resume")
@@ -170,13 +178,15 @@ def _watch_tab(runs: list[tuple[str, str]]) -> WatchTab:
     result = gr.Markdown("", elem_id="wb-result")
     status = gr.Markdown("", elem_id="wb-watch-status")
     warnings = gr.Markdown("", elem_id="wb-warnings")
-    plots = {}
+    plots, notes = {}, {}
     for row in (PLOTS[:3], PLOTS[3:]):
         with gr.Row():
             for i, label in enumerate(row, start=len(plots)):
-                plots[label] = gr.LinePlot(
-                    None, x="step", y="value", title=label, height=220, elem_id=f"wb-plot-{i}", min_width=240
-                )
+                with gr.Column(min_width=240):
+                    plots[label] = gr.LinePlot(
+                        None, x="step", y="value", title=label, height=220, elem_id=f"wb-plot-{i}", min_width=240
+                    )
+                    notes[label] = gr.Markdown("", elem_id=f"wb-plot-note-{i}", elem_classes=["plot-note"])
     completions = gr.Dataframe(
         headers=COMPLETION_COLUMNS,
         label="Recent completions (the user's turn; identical rows of a step folded, with their count)",
@@ -189,7 +199,7 @@ def _watch_tab(runs: list[tuple[str, str]]) -> WatchTab:
     log = gr.Textbox(label=LOG_LABEL, visible=False, lines=8, max_lines=8, elem_id="wb-log", interactive=False)
     timer = gr.Timer(POLL_S)
     return WatchTab(
-        run, refresh, timer, state, progress, result, stop, resume, plots, warnings, log, completions, status
+        run, refresh, timer, state, progress, result, stop, resume, plots, notes, warnings, log, completions, status
     )
 
 

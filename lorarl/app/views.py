@@ -13,8 +13,8 @@ import gradio as gr
 from lorarl.app import watch
 from lorarl.app.layout import LOG_LABEL, PLOTS
 
-# state, progress, result, the curves, warnings, the log, completions, Stop, Resume
-POLL_OUTPUTS = 8 + len(PLOTS)
+# state, progress, result, the curves, the notes under them, warnings, the log, completions, Stop, Resume
+POLL_OUTPUTS = 8 + 2 * len(PLOTS)
 
 # (where the user's turn starts, where it ends) in common chat templates, for the completions table
 USER_TURNS = (
@@ -49,12 +49,23 @@ def _frame(points: list[tuple[int, float]]):
     return pd.DataFrame({"step": steps, "value": pd.Series([p[1] for p in points], dtype="float64")})
 
 
+def _plot(points: list[tuple[int, float]], last_step: int):
+    """One curve's update: its points on a step axis from 0 to the run's last step (at least 10, so a short run's
+    ticks are whole steps, not 1.2, 1.4, ...)."""
+    return gr.LinePlot(value=_frame(points), x_lim=[0, max(10, last_step)])
+
+
 def _clip(text: Any, n: int = 300, end: bool = False) -> str:
     """``text`` cut to ``n`` characters: its beginning, or with ``end`` its end."""
     text = "" if text is None else str(text)
     if len(text) <= n:
         return text
     return "…" + text[-(n - 1) :] if end else text[: n - 1] + "…"
+
+
+def _round(v: Any) -> Any:
+    """A reward or advantage as the table shows it: 3 decimals; missing (a failed reward): empty."""
+    return "" if v is None else round(float(v), 3) if isinstance(v, (int, float)) else v
 
 
 def user_turn(prompt: Any) -> str:
@@ -81,9 +92,9 @@ def completion_rows(completions: list[dict]) -> list[list]:
         if key in rows:
             rows[key][3] += 1
             continue
-        adv = c.get("advantage")
         prompt = _clip(user_turn(c.get("prompt")), 160, end=True)
-        rows[key] = [c.get("step"), c.get("reward"), "" if adv is None else adv, 1, prompt, _clip(c.get("completion"))]
+        reward, adv = (_round(c.get(k)) for k in ("reward", "advantage"))
+        rows[key] = [c.get("step"), reward, adv, 1, prompt, _clip(c.get("completion"))]
     return list(rows.values())
 
 
@@ -97,11 +108,6 @@ def state_markdown(view: watch.WatchView) -> str:
     return text
 
 
-def _plot(points: list[tuple[int, float]], why: str | None):
-    """One curve's update: its points, and under it why it is empty (the caption), else no caption."""
-    return gr.LinePlot(value=_frame(points), caption=f"empty: {why}" if why else "")
-
-
 def view_outputs(
     view: watch.WatchView, fresh: bool = True, live_run: Path | None = None, live_label: str | None = None
 ) -> list:
@@ -110,7 +116,9 @@ def view_outputs(
     training now (any run: Resume waits until no process is left, as the one-job rule does), ``live_label`` how the
     page names it (``NAME`` or ``PIPELINE/STAGE``; default the folder's name). Resume is enabled when
     ``view.resumable`` and no process trains."""
-    plots = [_plot(view.series.get(label, []), view.empty.get(label)) if fresh else gr.skip() for label in PLOTS]
+    last = max([view.progress.last_step or 0, *(s for pts in view.series.values() for s, _ in pts[-1:])])
+    plots = [_plot(view.series.get(label, []), last) if fresh else gr.skip() for label in PLOTS]
+    notes = [f"empty: {view.empty[label]}" if label in view.empty else "" for label in PLOTS]
     warnings = "\n".join(f"- ⚠ {_clip(w, 400)}" for w in view.warnings[-10:]) if view.warnings else ""
     failed = view.state in ("crashed", "failed")
     log = gr.Textbox(
@@ -130,6 +138,7 @@ def view_outputs(
         view.progress.text,
         view.result,
         *plots,
+        *notes,
         warnings,
         log,
         table,

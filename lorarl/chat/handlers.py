@@ -27,7 +27,7 @@ from lorarl.chat.inputs import (
     system_messages,
 )
 from lorarl.chat.layout import Widgets
-from lorarl.chat.scoring import RewardResult
+from lorarl.chat.scoring import RewardResult, columns_request, missing_columns
 from lorarl.chat.session import MAX_PANES, ChatSession
 from lorarl.chat.tools import tool_messages
 from lorarl.config import GenerationConfig
@@ -187,23 +187,26 @@ class Handlers:
         settings = (sys_p, temp, tp, mx, sd, rw, colj)
         yield from self._stream(message, n, [p0, p1, p2, p3], hist, settings, request)
 
-    def _check(self, panes: list[str], temp, tp, mx, sd, rw, colj) -> tuple[GenerationConfig, int, dict]:
+    def _check(self, panes: list[str], temp, tp, mx, sd, rw, colj) -> tuple[GenerationConfig, int, dict, str]:
         """The request's sampling settings, seed and reward columns, checked (and its panes known, and any code
-        from run folders its panes and reward would run allowed: :mod:`lorarl.chat.consent`)."""
+        from run folders its panes and reward would run allowed: :mod:`lorarl.chat.consent`); the last item is
+        the line asking for the columns the reward reads when the box lacks them (then nothing is scored)."""
         try:
             generation, seed, columns = generation_from_ui(temp, tp, mx), check_seed(sd), parse_columns(colj)
             for p in panes:
                 self.catalog.get(p)
             self.session.check_memory()
             self.session.check_code(panes, rw)
+            missing = missing_columns(self.catalog.get_scorer(rw), columns)
         except LorarlError as e:
             raise gr.Error(str(e)) from None
-        return generation, seed, columns
+        return generation, seed, columns, columns_request(rw, missing) if missing else ""
 
     def _stream(self, message: str, n: int, pick: list[str], hist: list, settings: Sequence, request: gr.Request):
         """Answer ``message`` in the first ``n`` panes, yielding a frame each time their texts change."""
         sys_p, temp, tp, mx, sd, rw, colj = settings
-        generation, seed, columns = self._check(pick[:n], temp, tp, mx, sd, rw, colj)
+        generation, seed, columns, ask = self._check(pick[:n], temp, tp, mx, sd, rw, colj)
+        rw = NO_REWARD if ask else rw  # the reward's columns are missing: asked for, not scored
         hist = [display_history(h) for h in hist]
         before = [list(h) for h in hist]
         user = [{"role": "user", "content": message}]
@@ -230,7 +233,10 @@ class Handlers:
         bodies = [c[len(system_messages(sys_p)) :] for c in convs]
         self.session.record_turn(_session_id(request), sys_p or "", pick[:n], bodies, job.answers)  # what votes keep
         ntok = sum(len(a.token_ids) for a in job.answers)
-        note = f"{'stopped' if stopped else 'done'}: {ntok} tokens in {time.monotonic() - t0:.1f} s"
+        note = f"{'stopped' if stopped else 'done'}: {ntok} tokens in {time.monotonic() - t0:.1f} s, " + (
+            "greedy (the same answer for any seed)" if generation.temperature == 0 else f"seed {seed}"
+        )
+        note += f" · not scored: {ask}" if ask else ""
         reward_md = [r.markdown() for r in job.rewards] if job.rewards else None
         steps = [a.steps for a in job.answers]
         yield frames.frame(job.texts, gr.update(), note, done=True, reward_md=reward_md, steps=steps)
@@ -259,12 +265,27 @@ class Handlers:
         what = "; ".join(f"{w} runs code from the {c.where} folder: {c.describe()}" for w, c in todo)
         return f"⚠ {what}: read it, then press “Allow run code” to let it run"
 
-    def on_reward(self, reward, n, p0, p1, p2, p3):
-        """The reward dropdown changed: say what code it (and the panes) would run."""
+    def on_reward(self, reward, n, p0, p1, p2, p3, colj=None):
+        """The reward dropdown changed: say what code it (and the panes) would run, and which columns it reads that
+        the "reward columns" box lacks."""
         try:
-            return self.code_note([p0, p1, p2, p3][: int(n)], reward) or self.status_line()
+            missing = missing_columns(self.catalog.get_scorer(reward), parse_columns(colj) if colj else {})
+            notes = [
+                self.code_note([p0, p1, p2, p3][: int(n)], reward),
+                columns_request(reward, missing) if missing else "",
+            ]
         except LorarlError as e:
             return f"**error:** {e}"
+        return " · ".join(n for n in notes if n) or self.status_line()
+
+    def next_seed(self, seed):
+        """Regenerate's seed: the next one (a fixed seed would give the same answer again); a negative seed (random)
+        stays as it is."""
+        try:
+            value = check_seed(seed)
+        except LorarlError as e:
+            raise gr.Error(str(e)) from None
+        return value + 1 if value >= 0 else value
 
     def on_allow_code(self, reward, n, p0, p1, p2, p3):
         """The "Allow run code" button: allow the code the chosen reward and the shown panes name (and say exactly what)."""
@@ -311,14 +332,17 @@ def wire(w: Widgets, h: Handlers) -> list:
     ask = [w.msg, w.n_panes, *p.pickers, *p.bots, *settings]
     e_send = w.send.click(h.on_send, ask, w.outputs, **private)
     e_submit = w.msg.submit(h.on_send, ask, w.outputs, **private)
-    e_regen = w.regen.click(h.on_regen, [w.n_panes, *p.pickers, *p.bots, *settings], w.outputs, **private)
+    seed = w.settings.seed  # Regenerate samples again with the next seed (shown in the box), then answers
+    e_regen = w.regen.click(h.next_seed, seed, seed, **private).then(
+        h.on_regen, [w.n_panes, *p.pickers, *p.bots, *settings], w.outputs, **private
+    )
     w.stop.click(h.on_stop, None, w.status, cancels=[e_send, e_submit, e_regen], queue=False, **private)
     w.clear.click(h.on_clear, None, [*p.bots, *p.rewards, w.status, w.turn], **private)
     for picker, bot, reward in zip(p.pickers, p.bots, p.rewards):
         picker.change(h.on_pick, picker, [bot, reward, w.status], **private)
     w.n_panes.change(h.on_panes, w.n_panes, p.cols, **private)
     code_in = [w.settings.reward, w.n_panes, *p.pickers]
-    w.settings.reward.change(h.on_reward, code_in, w.status, **private)
+    w.settings.reward.change(h.on_reward, [*code_in, w.settings.columns], w.status, **private)
     w.allow_code.click(h.on_allow_code, code_in, w.status, **private)
     w.refresh.click(h.on_refresh, p.pickers, [*p.pickers, w.settings.reward, w.status], **private)
     votes = []

@@ -6,6 +6,7 @@ the rollout renders it, the answer's tokens and one EOS (:func:`lorarl.data.pref
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,25 @@ class RewardResult:
             return "reward: n/a"
         parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.parts.items())
         return f"**reward {self.total:.3f}**" + (f" ({parts})" if parts and len(self.parts) > 1 else "")
+
+
+def missing_columns(scorer: ScorerEntry | None, columns: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """``(reward function, column)`` for each dataset column a scorer's built-in rule reward reads
+    (:func:`lorarl.rewards.builtins.builtin_columns`: ``answer`` for ``numeric_match``) that ``columns`` (the
+    "reward columns" box) lacks; [] for a reward model or nothing missing."""
+    from lorarl.rewards.builtins import builtin_columns
+
+    if scorer is None or scorer.kind != "rules":
+        return []
+    given = columns or {}
+    return [(s.name, c) for s in scorer.specs for c in builtin_columns(s.name) if c not in given]
+
+
+def columns_request(scorer_id: str, missing: list[tuple[str, str]]) -> str:
+    """The line asking for the columns a reward reads, with an example of the box's JSON."""
+    what = ", ".join(f"{fn} reads the column {col!r}" for fn, col in missing)
+    example = json.dumps({col: "..." for _, col in missing})
+    return f"reward {scorer_id}: {what}; give it in “Reward columns” (e.g. {example}: the expected answer)"
 
 
 def _fmt(v: float | None) -> str:
