@@ -522,7 +522,7 @@ def test_export_offers_replace_names_its_default_gives_a_verdict_and_runs_one_at
         gate_open.wait(5)
         (runs_dir / "exports" / out_name).mkdir(parents=True, exist_ok=True)
         (runs_dir / "exports" / out_name / "config.json").write_text("{}")
-        report = {"greedy_agreement": 0.97, "agreed": 62, "prompts": 64, "threshold": gate,
+        report = {"greedy_agreement": 0.97, "agreed": 62, "prompts": 64, "accuracy_trained": None, "threshold": gate,
                   "passed": None if gate is None else 0.97 >= gate}  # fmt: skip
         return {"out": str(runs_dir / "exports" / out_name), "gate": report, "summary": "greedy agreement 96.9%"}
 
@@ -534,6 +534,7 @@ def test_export_offers_replace_names_its_default_gives_a_verdict_and_runs_one_at
     assert ["verdict", "passed: greedy agreement 97.0% ≥ minimum 95%"] in table.value["data"]
     assert ["minimum greedy agreement", "0.95"] in table.value["data"] and button.interactive is True
     assert not any(r[0] in ("threshold", "passed") for r in table.value["data"])  # no "threshold None, passed None"
+    assert ["accuracy_trained", "n/a"] in table.value["data"]  # a figure the gate has not: n/a, not None
     refused = _export(wb, "newer/policy", "merged", "newer-final-merged")[0]
     assert "already exists: tick “Replace an existing export of that name”" in refused and len(calls) == 1
     status, summary = _export(wb, "newer/policy", "merged", "newer-final-merged", force=True)[:2]

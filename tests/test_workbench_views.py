@@ -171,7 +171,7 @@ def test_cost_block_names_one_figure_per_resource_and_warns_for_a_gpu_recipe_on_
     assert "- memory: 8.7 GB peak RSS measured on cpu (2 busy cores, as measured above): the recipe's header" in block
     assert "5.07" not in block  # the planner's contradicting figure is not shown beside the measured one
     assert "- time: about 18m00s-1h00m for 6 steps (180-600 s/step measured on cpu" in block
-    assert "your grpo.group_size change the step's size" in block
+    assert block.count("; measured at the recipe's own sizes: your grpo.group_size change the step's size") == 2
     gpu = cost_markdown(
         recipe_costs(recipe_header(RECIPES / "grpo_gsm8k.yaml")), steps=500, changed=[], model="Q", **kw
     )

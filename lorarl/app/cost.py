@@ -99,17 +99,16 @@ def cost_markdown(
             f"- ⚠ **meant for a CUDA GPU** ({meant}); this machine has none: on a CPU {model} would train in fp32, "
             "far slower and with far more memory than the recipe's figures"
         )
+    sized = [k for k in changed if k in STEP_SIZE_KEYS]
+    note = f"; measured at the recipe's own sizes: your {', '.join(sized)} change the step's size" if sized else ""
     measured = next((c for c in here if c.peak_gb is not None), None)
     if device == "cpu" and measured is not None and measured.rss:
-        lines.append(
-            f"- memory: {measured.peak_gb:g} GB peak RSS measured on cpu ({measured.where}): the recipe's header"
-        )
+        where = f"measured on cpu ({measured.where}): the recipe's header"
+        lines.append(f"- memory: {measured.peak_gb:g} GB peak RSS {where}{note}")
     else:
         lines.append(f"- memory: {planner.removeprefix('plan: ')}")
     timed = next((c for c in here if c.step_s is not None), None)
     if timed is not None:
-        sized = [k for k in changed if k in STEP_SIZE_KEYS]
-        note = f"; your {', '.join(sized)} change the step's size, so the time differs" if sized else ""
         lines.append(f"- time: {time_estimate(timed, steps)}{note}")
     else:
         lines.append(f"- time: no step time measured on {device} for this recipe; Watch shows it after step 1")

@@ -52,7 +52,8 @@ def gate_view(result: dict) -> tuple[str, list[list[str]]]:
     for key, value in gate.items():
         if isinstance(value, (dict, list)) or key in ("threshold", "passed"):
             continue
-        rows.append([key, f"{value:.4g}" if isinstance(value, float) else str(value)])
+        shown = "n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+        rows.append([key, shown])  # (None: a figure this export has not, e.g. accuracy without an answer column)
     minimum = gate.get("threshold")
     rows.append(["minimum greedy agreement", "none set" if minimum is None else f"{minimum:g}"])
     rows.append(["verdict", verdict(gate).replace("**", "")])

@@ -33,7 +33,7 @@ CSS = """
 .field-error * {color: #c0392b !important}
 .plot-note {font-size: 0.85em; min-height: 0; margin-top: -0.5em}
 #wb-recipe-header pre, #wb-recipe-header code {white-space: pre-wrap !important; overflow-wrap: anywhere}
-#wb-completions th, #wb-gate th {word-break: keep-all; overflow-wrap: normal; hyphens: none}
+#wb-completions thead .header, #wb-gate thead .header {word-break: keep-all !important; overflow-wrap: normal !important}
 .plot-note * {color: #6b7280 !important}
 #wb-train-status, #wb-watch-status, #wb-retrain-status, #wb-export-status {min-height: 1.5em}
 """
@@ -192,7 +192,7 @@ def _watch_tab(runs: list[tuple[str, str]]) -> WatchTab:
         label="Recent completions (the user's turn; identical rows of a step folded, with their count)",
         interactive=False,
         wrap=True,
-        column_widths=["7%", "8%", "10%", "6%", "30%", "39%"],
+        column_widths=["64px", "80px", "104px", "72px", "26%", "32%"],  # whole header words at 900 px too
         elem_id="wb-completions",
         max_height=400,
     )

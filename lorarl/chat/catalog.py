@@ -233,7 +233,9 @@ class Catalog:
     def _add_export(self, entries: dict, rel: str, folder: Path) -> None:
         if self.inside(folder):
             eid = EXPORT_PREFIX + rel
-            entries[eid] = Entry(eid, "export", f"{rel} · merged export", folder, rel.split("/")[0])
+            # named by its folder (RUNS/exports/NAME: NAME), short enough for a pane's picker when 3-4 panes show
+            label = f"{rel.removeprefix('exports/')} · export"
+            entries[eid] = Entry(eid, "export", label, folder, rel.split("/")[0])
 
     def _add_scorers(self, scorers: dict, name: str, run: Path, recipe: dict | None) -> None:
         reward = run / REWARD
