@@ -15,6 +15,7 @@ from torch import nn
 
 from lorarl.config import LoraSettings, ModelConfig
 from lorarl.errors import LorarlError
+from lorarl.model.nf4_dequant import check_cpu_dequantize
 from lorarl.model.precision import cuda_advice, cuda_auto_dtype, nf4_compute_dtype
 from lorarl.model.registry import resolve_model
 
@@ -155,6 +156,7 @@ def load_base(cfg: ModelConfig, device: torch.device | None = None):
         model.to(device)
     else:
         keep_nf4_trainable(model)
+        check_cpu_dequantize(model)
     tok = load_tokenizer(path, cfg.trust_remote_code)
     return model, tok, path
 
