@@ -77,11 +77,13 @@ def as_overrides(sections: dict, prefix: str = "") -> list[str]:
 
 
 def refuse_pipeline_recipe(path: str) -> None:
-    """``lorarl train`` on a pipeline recipe: say which command runs it (one line, exit code 2)."""
+    """``lorarl train`` on a pipeline recipe (a file or a shipped name): say which command runs it (one line, exit
+    code 2)."""
     from lorarl.config import yaml_load
+    from lorarl.config.shipped import resolve_recipe
 
     try:
-        data = yaml_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml_load(resolve_recipe(path).read_text(encoding="utf-8"))
     except Exception:  # unreadable: load_recipe reports it
         return
     if isinstance(data, dict) and "stages" in data:

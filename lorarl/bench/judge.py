@@ -36,8 +36,9 @@ import torch  # noqa: E402
 
 from lorarl.config import RewardSpec, load_recipe  # noqa: E402
 from lorarl.config.rewards import JudgeConfig  # noqa: E402
+from lorarl.config.shipped import shipped_recipes_dir  # noqa: E402
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "grpo_arithmetic.yaml"
+QUICKSTART = shipped_recipes_dir() / "grpo_arithmetic.yaml"
 
 POINTWISE_PREFIX = "Score:"  # judge.answer_prefix: the judge only writes the number
 GROUP_PREFIX = '{"scores": [{"id": 1, "score":'  # ... the first score onwards

@@ -327,11 +327,12 @@ def recipe_from_dict(
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None, *, strict: bool = True) -> Recipe:
-    """Read, override and validate a recipe file. Raises RecipeError naming the file and key on any problem."""
-    path = Path(path)
+    """Read, override and validate a recipe: a file, or a shipped recipe's name
+    (:func:`lorarl.config.shipped.resolve_recipe`). Raises RecipeError naming the file and key on any problem."""
+    from lorarl.config.shipped import resolve_recipe
+
+    path = resolve_recipe(path)
     where = str(path)
-    if not path.is_file():
-        raise RecipeError(f"{where}: recipe file not found")
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
