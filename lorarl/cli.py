@@ -63,10 +63,12 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from lorarl.algos.loop import check_max_steps
     from lorarl.api import refuse_pipeline_recipe
     from lorarl.config import load_recipe
 
     refuse_pipeline_recipe(args.recipe)
+    check_max_steps(args.max_steps)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")

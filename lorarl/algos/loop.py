@@ -26,7 +26,9 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -34,6 +36,7 @@ import yaml
 from lorarl.algos import make_algorithm
 from lorarl.algos.base import Algorithm, step_seed
 from lorarl.config import Recipe, recipe_to_dict
+from lorarl.errors import LorarlError, quote
 from lorarl.health import HealthMonitor
 from lorarl.metrics import MetricsLogger, check_trackers, plot_metrics
 from lorarl.model import SharedBase
@@ -302,6 +305,15 @@ def run_steps(ctx: dict, stop: StopRequest, start_step: int) -> tuple[list[dict]
     return history, False
 
 
+def check_max_steps(max_steps: Any) -> None:
+    """``--max-steps`` / ``max_steps``: None (every step of ``train.steps``) or the step to stop after, an int >= 1
+    (0 trained every step and -1 wrote an untrained adapter before)."""
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, Integral) or max_steps < 1):
+        raise LorarlError(
+            f"--max-steps (max_steps) must be an int >= 1, the step to stop after; got {quote(max_steps)}"
+        )
+
+
 def train(
     recipe: Recipe,
     out_dir: str | os.PathLike,
@@ -321,6 +333,7 @@ def train(
     ``stopped``, no final adapters; the summary has ``"stopped": true``); an exception leaves state ``crashed``.
     """
     t_start = time.perf_counter()
+    check_max_steps(max_steps)
     check_trackers(recipe.train.report_to)  # a tracker that is not installed fails before the model loads
     check_not_live(out_dir)  # another process is training this folder
     check_planned_memory(recipe)  # sizes that multiply past this machine (the planner, no weights read)

@@ -268,6 +268,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[tuple[
     out = _deepcopy(data)
     moved: list[tuple[str, str]] = []
     for text in overrides:
+        if not isinstance(text, str):
+            raise RecipeError(
+                f"override {quote(text)}: expected a section.key=value string, got a value of type {type(text).__name__}"
+            )
         path, value = parse_override(text)
         new = migrate_path(path)
         if new != path:

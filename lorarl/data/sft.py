@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorarl.config import DataConfig
-from lorarl.data.prompts import encode_prompt, encode_rows, prompt_text, read_rows
+from lorarl.data.prompts import encode_prompt, encode_rows, prompt_text, read_rows, too_long_by_chars
 from lorarl.errors import DataError
 
 
@@ -113,6 +113,13 @@ def encode_example(
     """``(prompt ids, completion ids + [eos_id])`` of one example; DataError when the prompt or the whole example is
     longer than ``data.max_prompt_tokens`` / ``max_length`` tokens."""
     text = prompt_text(prompt, tokenizer, cfg.system_prompt, i)
+    for name, part, limit, key in (
+        ("prompt", text, cfg.max_prompt_tokens, "data.max_prompt_tokens"),
+        ("completion", completion, max_length, "sft.max_length"),
+    ):
+        why = too_long_by_chars(len(part), limit, tokenizer)  # before tokenizing it
+        if why:
+            raise DataError(f"row {i}: the {name} {why} ({key}={limit})")
     p_ids = encode_prompt(text, tokenizer, templated=not isinstance(prompt, str))
     if len(p_ids) > cfg.max_prompt_tokens:
         raise DataError(

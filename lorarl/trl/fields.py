@@ -66,6 +66,12 @@ def refuse(where: str, value: Any, why: str) -> None:
     raise Refused(f"{where}={value!r}: {why}")
 
 
+def check_finite(where: str, value: Any) -> None:
+    """Refuse a NaN or infinite float: TRL's configs take one, and a step count made of it raises."""
+    if isinstance(value, float) and not math.isfinite(value):
+        refuse(where, value, "must be a finite number")
+
+
 # ---- converters -------------------------------------------------------------------------------------------------
 
 
@@ -726,6 +732,7 @@ def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
     notices: list[str] = []
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
+        check_finite(f"{cls_name}.{f.name}", value)
         rule = entry(cls_name, f.name)
         if isinstance(rule, Map):
             keys.update(rule.apply(value, ctx))

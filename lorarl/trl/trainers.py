@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
-from lorarl.trl.fields import default_config, refuse, translate
+from lorarl.trl.fields import check_finite, default_config, refuse, translate
 
 log = logging.getLogger("lorarl.trl")
 MAX_STEPS_ENV = "LORARL_TRL_MAX_STEPS"  # stop every lorarl.trl run after N steps (lorarl train --max-steps N)
@@ -240,6 +240,7 @@ class _Trainer:
         n = _rows(self.train_dataset)
         per_step = self.rows_per_step()
         per_epoch = math.ceil(n / per_step) if n else 1
+        check_finite(f"{self.config_name}.num_train_epochs", self.args.num_train_epochs)  # read before translate
         if self.args.max_steps > 0:
             return self.args.max_steps, per_epoch
         if n is None:
