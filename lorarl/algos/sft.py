@@ -230,6 +230,7 @@ class SFT(GuardState):
             )
         # with packing a step's units are packed rows of examples (TRL's batch), else examples
         self.packs = pack_sft(self.data, cfg.max_length, cfg.packing_strategy) if cfg.packing else None
+        self.step_loss = self.packed_rows_loss if cfg.packing else self.examples_loss
         n, B = self.units(), cfg.batch_size
         self.total_steps = min(tcfg.steps, math.ceil(cfg.epochs * n / B))  # batches run on across epochs
         self.last_step = self.total_steps  # the loop lowers it for --max-steps
@@ -237,6 +238,17 @@ class SFT(GuardState):
         self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
         self.mbs = micro_batch_rows(tcfg.micro_batch_size, B)
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
+
+    def examples_loss(self, rows: list[int]):
+        """``(loss tokens, tokens run, micro-batch loss)`` of a batch of examples ``rows``."""
+        total = loss_tokens(self.data, rows)
+        tokens = total + sum(len(self.data.prompt_ids[i]) for i in rows)
+        return total, tokens, functools.partial(sft_loss, self.shared, self.data, total)
+
+    def packed_rows_loss(self, rows: list[int]):
+        """``(loss tokens, tokens run, micro-batch loss)`` of a batch of packed rows ``rows`` (``sft.packing``)."""
+        total = self.packs.targets(rows)
+        return total, self.packs.tokens(rows), functools.partial(packed_sft_loss, self.shared, self.packs, total)
 
     def units(self) -> int:
         """What a step's batch counts: packed rows with ``sft.packing``, else examples."""
@@ -254,13 +266,7 @@ class SFT(GuardState):
     def step(self, batch: SFTBatch) -> dict:
         """One optimizer step on ``batch``; returns its metrics."""
         shared, tcfg, rows, step = self.shared, self.recipe.train, batch.rows, batch.step
-        if self.packs is not None:
-            total_tokens, tokens = self.packs.targets(rows), self.packs.tokens(rows)
-            loss_fn = functools.partial(packed_sft_loss, shared, self.packs, total_tokens)
-        else:
-            total_tokens = loss_tokens(self.data, rows)
-            tokens = total_tokens + sum(len(self.data.prompt_ids[i]) for i in rows)
-            loss_fn = functools.partial(sft_loss, shared, self.data, total_tokens)
+        total_tokens, tokens, loss_fn = self.step_loss(rows)
 
         # 2. One optimizer step over micro-batches: each returns its share of the batch's token-mean NLL --------
         # (active through backward: activation checkpointing recomputes under the same adapter and dropout)

@@ -12,7 +12,7 @@ tokens the forwards ran (padding included), seconds, ``tokens_per_s`` = real tok
 
     python -m lorarl.bench.sft_packing --data examples/trl_quickstarts/imdb_sample --max-length 256 --epochs 2
 
-The last stdout line is the JSON result. docs/sft.md holds the figures measured with it.
+The last stdout line is the JSON result. docs/pipeline.md ("Packing") holds the figures measured with it.
 """
 
 from __future__ import annotations

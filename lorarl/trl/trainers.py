@@ -507,7 +507,8 @@ class _SupervisedTrainer(_Trainer):
 
 class SFTTrainer(_SupervisedTrainer):
     """TRL's ``SFTTrainer`` (1.16's signature) on lorarl: prompt + completion or ``messages`` rows, the loss on the
-    completion (for ``messages``: the last assistant message)."""
+    completion (for ``messages``: the last assistant message); ``text`` rows (``dataset_text_field``), every token
+    trained as TRL's language modeling; ``packing`` with TRL's packer (``sft.packing``)."""
 
     config_name, algo, suffix = "SFTConfig", "sft", "SFT"
 
@@ -577,6 +578,8 @@ class SFTTrainer(_SupervisedTrainer):
         a = self.args
         if not a.packing or a.max_steps > 0 or a.packing_strategy not in STRATEGIES:  # (a wrong one: refused next)
             return super()._units()
+        if _rows(self.train_dataset) is None:  # no length: max_steps is needed, as without packing
+            return None
         from lorarl.config import DataConfig
         from lorarl.model import load_tokenizer
         from lorarl.model.registry import resolve_model
