@@ -108,6 +108,9 @@ def test_text_dataset_refusals_follow_trl(tiny_model_dir, tmp_path):
     SFTTrainer(str(tiny_model_dir), args=args, train_dataset=rows)  # text rows train every token: what False asks
     with pytest.raises(Refused, match=r"^SFTConfig.completion_only_loss=False: lorarl's SFT loss is on completion"):
         SFTTrainer(str(tiny_model_dir), args=args, train_dataset=[{"prompt": "a", "completion": "b"}] * 4)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "d"), use_cpu=True, max_length=None, packing=True)
+    with pytest.raises(Refused, match=r"^SFTConfig.max_length=None: lorarl needs a length"):
+        SFTTrainer(str(tiny_model_dir), args=args, train_dataset=rows)
     with pytest.raises(Refused, match=r"^SFTConfig.packing_strategy='greedy': TRL's packing strategies are bfd"):
         args = trl.SFTConfig(output_dir=str(tmp_path / "c"), use_cpu=True, packing=True)
         args.packing_strategy = "greedy"

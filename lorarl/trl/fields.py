@@ -330,6 +330,17 @@ def _text_field(value: str, ctx: dict) -> dict:
     return {"data.columns.text": value} if ctx.get("sft_rows") == "text" and value != "text" else {}
 
 
+def _sft_length(value: Any, ctx: dict) -> dict:
+    if value is None:  # TRL: no truncation (packing refuses None too); lorarl's rows and plan need a bound
+        refuse(
+            f"{ctx['cls']}.max_length",
+            value,
+            "lorarl needs a length (the longest row it trains, the packed rows' length, what the memory plan "
+            "counts): set one",
+        )
+    return {"sft.max_length": value}
+
+
 def _packing_strategy(value: str, ctx: dict) -> dict:
     from lorarl.data.packing import STRATEGIES
 
@@ -680,7 +691,8 @@ SFT_OWN: dict[str, Map | Note | Refuse] = {
     "max_length": Map(
         "sft.max_length",
         "lorarl never truncates: a longer row is a bad row (data.on_bad_row), unless packing_strategy bfd_split or "
-        "wrapped splits it; with packing, the packed rows' length",
+        "wrapped splits it; with packing, the packed rows' length; None is refused",
+        _sft_length,
     ),
     "shuffle_dataset": Note("lorarl's SFT order is its own (seeded by train.seed)"),
     "packing": Map(

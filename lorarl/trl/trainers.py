@@ -576,7 +576,8 @@ class SFTTrainer(_SupervisedTrainer):
         from lorarl.data.packing import STRATEGIES, packed_row_count
 
         a = self.args
-        if not a.packing or a.max_steps > 0 or a.packing_strategy not in STRATEGIES:  # (a wrong one: refused next)
+        unusable = a.packing_strategy not in STRATEGIES or a.max_length is None  # refused by the field table next
+        if not a.packing or a.max_steps > 0 or unusable:
             return super()._units()
         if _rows(self.train_dataset) is None:  # no length: max_steps is needed, as without packing
             return None
