@@ -312,12 +312,13 @@ def evaluate_recipe(recipe: Recipe, checkpoint: str, n: int | None = None) -> di
     greedy held-out evaluation (:func:`lorarl.evaluate.evaluate`)."""
     from lorarl.algos import algorithm_class
     from lorarl.algos.loop import set_threads
+    from lorarl.model import pick_device
 
     check_registered(recipe)
     evaluate_fn = getattr(algorithm_class(recipe.algo), "evaluate_checkpoint", None)
     if evaluate_fn is None:  # every policy-training algorithm: greedy held-out evaluation
         from lorarl.evaluate import evaluate as evaluate_fn
-    set_threads()
+    set_threads(pick_device(recipe.model.device).type)
     return evaluate_fn(recipe, checkpoint, n=n)
 
 

@@ -65,6 +65,7 @@ DATASETS = {
     ]
     * 2,
     "sft": [{"source": "test", "messages": [USER, {"role": "assistant", "content": "\\boxed{2}"}]}] * 2,
+    "text": [{"text": "A quiet, patient film."}, {"text": "Loud, dumb and fun."}],  # stanfordnlp/imdb's column
 }
 # quick start -> (dataset, output_dir suffix, trained adapter folder, TRL metric names the run logs)
 RUNS = {
@@ -96,6 +97,7 @@ RUNS = {
         ],
     ),
     "sft": ("sft", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
+    "sft_text": ("text", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
     "reward": ("dpo", "Reward", "reward", ["loss", "accuracy", "margin", "learning_rate"]),
 }
 
@@ -365,8 +367,8 @@ def test_trainer_arguments_lorarl_cannot_honour_are_refused(tiny_model_dir, tmp_
     with pytest.raises(Refused, match=r"^reward_funcs\[0\]='org/reward-model': a hub reward model"):
         GRPOTrainer(str(tiny_model_dir), reward_funcs="org/reward-model", train_dataset=DATASETS["grpo"])
     sft = default_config(trl.SFTConfig, str(tmp_path / "sft"))
-    with pytest.raises(Refused, match=r"^train_dataset=\"columns \['text'\]\": lorarl's SFT needs prompt"):
-        SFTTrainer(str(tiny_model_dir), args=sft, train_dataset=Dataset.from_list([{"text": "hello"}]))
+    with pytest.raises(Refused, match=r"^train_dataset=\"columns \['body'\]\": lorarl's SFT reads prompt"):
+        SFTTrainer(str(tiny_model_dir), args=sft, train_dataset=Dataset.from_list([{"body": "hello"}]))
     with pytest.raises(LorarlError, match=r"^args: a SFTConfig; DPOTrainer takes TRL's DPOConfig"):
         DPOTrainer(str(tiny_model_dir), args=sft, train_dataset=DATASETS["dpo"])
     args.logging_first_step = True  # a noted field: accepted with one notice

@@ -226,13 +226,20 @@ class RewardModelConfig:
         check(self.max_length >= 2, where, "reward_model.max_length", "must be >= 2")
 
 
+PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]  # TRL's SFTConfig.packing_strategy
+
+
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning of the policy adapter: loss on completion tokens only (lorarl.algos.sft)."""
 
     epochs: int = 1  # passes over the examples (train.steps may stop it first)
-    batch_size: int = 16  # examples per optimizer step
-    max_length: int = 1024  # prompt + completion tokens; longer rows are bad rows (data.on_bad_row)
+    batch_size: int = 16  # examples per optimizer step (with packing: packed rows per step, as TRL)
+    max_length: int = 1024  # prompt + completion tokens; longer rows are bad rows (data.on_bad_row); packed row length
+    packing: bool = False  # pack examples into rows of max_length tokens, no attention across examples (TRL's packing)
+    # bfd: best-fit decreasing, whole examples; bfd_split: longer examples cut into max_length pieces first;
+    # wrapped: one stream cut every max_length tokens, attending across examples (as TRL's; lorarl.data.packing)
+    packing_strategy: PackingStrategy = "bfd"
 
     def validate(self, where: str) -> None:
         check(self.epochs >= 1, where, "sft.epochs", "must be >= 1")

@@ -27,6 +27,7 @@ from lorarl.config.rewards import JudgeConfig, RemoteRewardConfig, validate_rewa
 
 Quantization = Literal["nf4", "none", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu"]
 Tracker = Literal["tensorboard", "trackio", "wandb"]  # train.report_to (lorarl.metrics)
 
 
@@ -37,6 +38,7 @@ class ModelConfig:
     name: str = "smollm2-135m"  # a name from `lorarl models`, a local transformers folder, or a hub name
     quantization: Quantization = "auto"  # CUDA: bf16 if its weights <= 5% of the card, else nf4; CPU: none
     dtype: DType = "auto"  # compute dtype: fp32 on CPU; on CUDA bf16 where native, else fp16 (loss-scaled)
+    device: Device = "auto"  # auto: CUDA when there is a GPU, else the CPU; cpu: the CPU even beside a GPU
     gradient_checkpointing: bool = True  # recompute activations in backward (memory for ~1/3 more time)
     trust_remote_code: bool = False  # run code shipped with a hub model (off: only transformers' own code)
     init_adapter: str | None = None  # start from a trained PEFT adapter; the reference is then that adapter, frozen

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from lorarl.errors import LorarlError
 from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.tokens import position_ids
 
@@ -264,3 +265,28 @@ def packed_completion_logprobs(
     lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
     lp = lp.masked_fill(~mask, 0.0)
     return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)
+
+
+PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations transformers builds a packed-sequence mask for
+
+
+def packed_logprobs(shared: SharedBase, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+    """``log p(input_ids[:, t] | its segment's tokens before t)`` for ``t >= 1``: ``[R, L - 1]`` fp32 under the active
+    role (temperature 1), with gradients if enabled. Rows are packed examples (SFT packing,
+    :mod:`lorarl.data.packing`): ``position_ids [R, L]`` restart at 0 at each example (segment).
+
+    No attention mask is passed, so transformers builds the block-diagonal causal mask from the position ids, as
+    for TRL's padding-free batches (``masking_utils.find_packed_sequence_indices``: a new segment wherever a position
+    is not its predecessor's + 1; every family lorarl supports passes its position ids to its mask builder, and
+    sliding-window layers keep their window inside the segment). A token never attends across segments, and sees
+    the positions it has unpacked: the same log-probs as each example's own forward. Flash-attention reads packing
+    from position ids only for a batch of one row: refused."""
+    if shared.attn_implementation not in PACKED_ATTENTION:
+        raise LorarlError(
+            f"sft.packing: the base runs attention implementation {shared.attn_implementation!r}; lorarl packs with "
+            f"{' or '.join(PACKED_ATTENTION)} (transformers' packed-sequence mask): set sft.packing: false"
+        )
+    dev = shared.device
+    ids = input_ids.to(dev)
+    out = shared.decoder()(input_ids=ids, attention_mask=None, position_ids=position_ids.to(dev), use_cache=False)
+    return shared.hidden_logprobs(out.last_hidden_state[:, :-1], ids[:, 1:], 1.0)[0]

@@ -82,9 +82,56 @@ def _steps_of(value: float, ctx: dict) -> int:
     return int(value)
 
 
+def precision(bf16: bool, fp16: bool, device: str, capability: tuple[int, int] | None) -> tuple[str, str]:
+    """``(model.dtype, why or "")`` of TRL's mixed-precision flags with the meaning they have in TRL on the device the
+    run uses (``device``: ``cpu`` or ``cuda``; ``capability``: the GPU's compute capability). ``why`` is a notice
+    where lorarl's choice is not the flag's name:
+
+    * CPU: ``bf16`` -> bfloat16 (accelerate autocasts bf16 on the CPU); ``fp16`` -> float32 (accelerate autocasts
+      fp16 on GPUs only: TRL runs without autocast there; notice); neither -> float32.
+    * CUDA: ``bf16`` -> bfloat16 where the GPU has it natively (compute capability 8.0 and up), else float16 with
+      dynamic loss scaling (transformers accepts bf16 there, emulated many times slower; lorarl refuses emulated
+      bf16 at load: notice); ``fp16`` -> float16 (loss-scaled, as transformers' GradScaler); neither -> float32.
+
+    Example: ``precision(True, False, "cuda", (7, 5))`` (a T4) -> ``("float16", "... no native bfloat16 ...")``.
+    """
+    from lorarl.model.precision import native_bf16
+
+    if device != "cuda":
+        if fp16:
+            return (
+                "float32",
+                "no fp16 on the CPU (accelerate autocasts it on GPUs only; TRL runs without autocast): float32",
+            )
+        return ("bfloat16" if bf16 else "float32"), ""
+    if fp16:
+        return "float16", ""
+    if bf16 and not native_bf16(capability):
+        cc = ".".join(map(str, capability or ()))
+        return "float16", (
+            f"this GPU (compute capability {cc}) has no native bfloat16 (emulated, many times slower): lorarl computes "
+            "in float16 with dynamic loss scaling (model.dtype auto)"
+        )
+    return ("bfloat16" if bf16 else "float32"), ""
+
+
+def run_device(args: Any) -> tuple[str, tuple[int, int] | None]:
+    """``(device type, compute capability or None)`` a run of TRL config ``args`` uses on this machine: the CPU with
+    ``use_cpu`` or without a visible GPU, else CUDA (as transformers' ``TrainingArguments.device``)."""
+    import torch
+
+    if args.use_cpu or not torch.cuda.is_available():
+        return "cpu", None
+    return "cuda", tuple(torch.cuda.get_device_capability())
+
+
 def _dtype(_value: Any, ctx: dict) -> dict:
     a = ctx["args"]
-    return {"model.dtype": "float16" if a.fp16 else "bfloat16" if a.bf16 else "float32"}
+    dtype, why = precision(bool(a.bf16), bool(a.fp16), *run_device(a))
+    if why:
+        flag = "fp16" if a.fp16 else "bf16"
+        ctx["notices"].append(f"{ctx['cls']}.{flag}=True: {why}")
+    return {"model.dtype": dtype}
 
 
 def _scheduler(value: Any, ctx: dict) -> dict:
@@ -254,15 +301,7 @@ def _one_generation(value: Any, ctx: dict) -> dict:
 
 
 def _use_cpu(value: bool, ctx: dict) -> dict:
-    import torch
-
-    if value and torch.cuda.is_available():
-        refuse(
-            f"{ctx['cls']}.use_cpu",
-            value,
-            "lorarl trains on CUDA when there is one: run with CUDA_VISIBLE_DEVICES= to train on the CPU",
-        )
-    return {}
+    return {"model.device": "cpu"} if value else {}
 
 
 def _clip_high(value: Any, ctx: dict) -> dict:
@@ -284,13 +323,36 @@ def _center(value: Any, ctx: dict) -> dict:
 
 
 def _completion_only(value: Any, ctx: dict) -> dict:
-    if value is False:
+    if value is False and ctx.get("sft_rows") != "text":  # text rows train every token, whatever the value (TRL)
         refuse(
             f"{ctx['cls']}.completion_only_loss",
             value,
-            "lorarl's SFT loss is on completion tokens only (the prompt is never trained on)",
+            "lorarl's SFT loss is on completion tokens only (the prompt is never trained on; text rows: every token)",
         )
     return {}
+
+
+def _text_field(value: str, ctx: dict) -> dict:
+    return {"data.columns.text": value} if ctx.get("sft_rows") == "text" and value != "text" else {}
+
+
+def _sft_length(value: Any, ctx: dict) -> dict:
+    if value is None:  # TRL: no truncation (packing refuses None too); lorarl's rows and plan need a bound
+        refuse(
+            f"{ctx['cls']}.max_length",
+            value,
+            "lorarl needs a length (the longest row it trains, the packed rows' length, what the memory plan "
+            "counts): set one",
+        )
+    return {"sft.max_length": value}
+
+
+def _packing_strategy(value: str, ctx: dict) -> dict:
+    from lorarl.data.packing import STRATEGIES
+
+    if value not in STRATEGIES:
+        refuse(f"{ctx['cls']}.packing_strategy", value, f"TRL's packing strategies are {', '.join(STRATEGIES)}")
+    return {"sft.packing_strategy": value}
 
 
 def _train_steps(value: int, ctx: dict) -> dict:
@@ -364,21 +426,28 @@ TRAINING_ARGUMENTS: dict[str, Map | Note | Refuse] = {
     "save_only_model": Note("lorarl's checkpoints always hold what a resume needs"),
     "restore_callback_states_from_checkpoint": Note("lorarl takes no callbacks"),
     "use_cpu": Map(
-        "(device)",
-        "True on a CUDA machine is refused: lorarl trains on CUDA when there is one (CUDA_VISIBLE_DEVICES= for the CPU)",
+        "model.device",
+        "True -> cpu: the CPU even beside a GPU, as transformers; False -> auto (CUDA when there is a GPU)",
         _use_cpu,
     ),
     "seed": Map("train.seed"),
     "data_seed": Refuse("lorarl's data order follows seed (train.seed)"),
     "bf16": Map(
         "model.dtype",
-        "bf16 -> bfloat16, fp16 -> float16, neither -> float32 (the base is NF4 on CUDA, model.quantization auto)",
+        "on the run's device, as TRL: bf16 -> bfloat16 (float16 on a GPU without native bf16, with a notice), "
+        "fp16 -> float16 on CUDA and float32 on the CPU (accelerate autocasts fp16 on GPUs only; a notice), neither "
+        "-> float32 (the base is NF4 on CUDA, model.quantization auto)",
         _dtype,
     ),
     "fp16": Map("model.dtype", "read with bf16", lambda v, c: {}),
     "bf16_full_eval": Note("evaluation runs in model.dtype"),
     "fp16_full_eval": Note("evaluation runs in model.dtype"),
-    "tf32": Note(KERNEL),
+    "tf32": Map(
+        "(torch's TF32 switch)",
+        "transformers sets torch's TF32 matmul switch for the process when the config is built (True needs an "
+        "Ampere or newer GPU, as TRL); lorarl's float32 matmuls follow it",
+        lambda v, c: {},
+    ),
     "local_rank": Note(NO_EFFECT),
     "ddp_backend": Note(NO_EFFECT),
     "debug": Note(LOG_DETAIL),
@@ -619,15 +688,32 @@ DPO_OWN: dict[str, Map | Note | Refuse] = {
 }
 
 SFT_OWN: dict[str, Map | Note | Refuse] = {
-    "dataset_text_field": Note("lorarl's SFT rows are prompt + completion or messages; a text-only dataset is refused"),
+    "dataset_text_field": Map(
+        "data.columns.text",
+        "the column of a language-modeling dataset (no prompt / messages column): every token trained, EOS appended",
+        _text_field,
+    ),
     "dataset_kwargs": Refuse("lorarl prepares the dataset itself"),
-    "max_length": Map("sft.max_length", TRUNC),
+    "max_length": Map(
+        "sft.max_length",
+        "lorarl never truncates: a longer row is a bad row (data.on_bad_row), unless packing_strategy bfd_split or "
+        "wrapped splits it; with packing, the packed rows' length; None is refused",
+        _sft_length,
+    ),
     "shuffle_dataset": Note("lorarl's SFT order is its own (seeded by train.seed)"),
-    "packing": Refuse("packing is not implemented (each example is one row)"),
-    "packing_strategy": Note("read by packing only, which lorarl refuses"),
-    "eval_packing": Note("read by packing only, which lorarl refuses"),
+    "packing": Map(
+        "sft.packing",
+        "rows packed into max_length-token rows (TRL's packer), each example attending only to itself (bfd); "
+        "per_device_train_batch_size counts packed rows, as TRL",
+    ),
+    "packing_strategy": Map(
+        "sft.packing_strategy", "bfd, bfd_split, wrapped (wrapped attends across examples, as TRL's)", _packing_strategy
+    ),
+    "eval_packing": Note("lorarl's SFT evaluation decodes held-out prompts: nothing to pack"),
     "completion_only_loss": Map(
-        "(always)", "None / True: the completion only (lorarl always); False is refused", _completion_only
+        "(always)",
+        "None / True: the completion only (lorarl always); False is refused, except on text rows (every token)",
+        _completion_only,
     ),
     "assistant_only_loss": Note(
         "messages rows train the LAST assistant message only (TRL trains every token unless assistant_only_loss)"
@@ -712,12 +798,13 @@ def default_config(cls: type, output_dir: str) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _reference(cls: type, bf16: bool, fp16: bool) -> Any:
-    """The default config compared against (read only; precision flags as the config's: transformers refuses
-    bf16 where there is no bf16 GPU)."""
+def _reference(cls: type, bf16: bool, fp16: bool, use_cpu: bool) -> Any:
+    """The default config compared against (read only). Device and precision flags are the config's: transformers
+    refuses bf16 where there is no bf16 GPU unless ``use_cpu``, and ``use_cpu`` changes other fields' values
+    (``dataloader_pin_memory``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return cls(output_dir="trainer_output", bf16=bf16, fp16=fp16)
+        return cls(output_dir="trainer_output", bf16=bf16, fp16=fp16, use_cpu=use_cpu)
 
 
 def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
@@ -726,10 +813,10 @@ def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
     cls_name = type(args).__name__
     if cls_name not in TABLE:
         raise LorarlError(f"args: a {cls_name}; lorarl.trl takes TRL's {', '.join(TABLE)}")
-    ref = _reference(type(args), bool(args.bf16), bool(args.fp16))
-    ctx = {**ctx, "args": args, "cls": cls_name}
+    ref = _reference(type(args), bool(args.bf16), bool(args.fp16), bool(args.use_cpu))
     keys: dict = {}
     notices: list[str] = []
+    ctx = {**ctx, "args": args, "cls": cls_name, "notices": notices}  # a Map's converter may add a notice
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         check_finite(f"{cls_name}.{f.name}", value)

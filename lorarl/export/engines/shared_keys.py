@@ -53,6 +53,7 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         "full-precision one (measure it: python -m lorarl.export.gap)",
     )
     m.skip("model.dtype", r.model.dtype, "the engines compute in bf16 (fp32 master weights)")
+    m.skip("model.device", r.model.device, "the engines run on the cluster's GPUs")
     for key in ("model.logprob_chunk_size", "model.logprob_chunk_tokens"):
         m.skip(key, _get(r, key), "lorarl's memory layout; the engines have their own")
     m.skip("generation.engine", r.generation.engine, "the engines sample with vLLM (same distribution: T, top_p)")
