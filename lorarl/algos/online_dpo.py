@@ -53,7 +53,7 @@ from lorarl.algos.base import (
 from lorarl.algos.dpo import POLICY, pair_token_count, pair_update, setup_roles
 from lorarl.algos.dpo_scoring import role_logps
 from lorarl.config import Recipe
-from lorarl.core.preference_losses import combined_loss
+from lorarl.core.preference_losses import LossSettings, combined_loss
 from lorarl.core.schedules import advance
 from lorarl.data.pairs import PairSet
 from lorarl.model import REFERENCE, SharedBase
@@ -187,7 +187,7 @@ class OnlineDPO(GuardState):
             tcfg.micro_batch_size, tcfg.prompts_per_step, None if planned is None else max(1, planned // 2)
         )
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
-        self.loss_fn = functools.partial(combined_loss, losses=cfg.losses, beta=cfg.beta)
+        self.loss_fn = functools.partial(combined_loss, losses=cfg.losses, settings=LossSettings(beta=cfg.beta))
         self.eval_result: dict | None = None
         self.rollout_rows = rollout_batch(recipe, shared.device.type)  # generation.batch_size
 

@@ -378,6 +378,8 @@ class Recipe:
                 section.validate(where)
         if self.algo in TRAINS_ON_SAMPLES:
             self.generation.validate_for_training(where)
+        if self.dpo is not None and self.algo == "dpo":
+            self.dpo.check_micro_batch(self.train.micro_batch_size, where)
         self.check_step_size(where)
         env_reward = self.agent is not None and bool(self.agent.environment)  # its get_reward (checked at import)
         check(

@@ -108,6 +108,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     share_prompts: bool = True,
     entropy_grad: bool = True,
+    token_stat=None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[B, T]`` (and entropies) of the completion tokens of ``batch`` under the active role, with
     gradients if enabled (the entropy's only if ``entropy_grad``: an entropy that is only logged costs a chunk's
@@ -122,6 +123,8 @@ def completion_logprobs(
     implementation that takes no 4-D mask (sdpa and eager do) or with layers whose attention window
     (:func:`attention_window`) is shorter than a row: the packs' mask would let those layers see past their window
     (measured on a tiny Gemma-2 with an 8-token window: 0.11 nats per token from what the sampler drew with).
+    ``token_stat`` (with ``with_entropy``): another per-position statistic in the entropy's place
+    (:func:`~lorarl.model.chunked.chunked_token_logprobs`).
     """
     P = batch.prompt_ids.shape[1]
     starts, inverse = prompt_groups(batch.prompt_index)
@@ -134,10 +137,12 @@ def completion_logprobs(
     if not share_prompts or len(starts) == len(batch) or P < 2 or (checkpointing and not packs_exact):
         ids, att = joined(batch)
         return shared.token_logprobs(
-            ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy, entropy_grad
+            ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy, entropy_grad, token_stat
         )
     if checkpointing:
-        return packed_completion_logprobs(shared, batch, temperature, with_entropy, entropy_grad=entropy_grad)
+        return packed_completion_logprobs(
+            shared, batch, temperature, with_entropy, entropy_grad=entropy_grad, token_stat=token_stat
+        )
     from transformers import DynamicCache
 
     dev = shared.device
@@ -162,7 +167,8 @@ def completion_logprobs(
     )
     last_prompt = out.last_hidden_state[:, -1:].index_select(0, rows)  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
-    return shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
+    targets = batch.completion_ids.to(dev)
+    return shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
 
 
 PACK_TOKENS = 1024  # a pack holds one prompt and as many of its completions as fit in this many tokens
@@ -241,6 +247,7 @@ def packed_completion_logprobs(
     with_entropy: bool = False,
     pack_tokens: int = PACK_TOKENS,
     entropy_grad: bool = True,
+    token_stat=None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`completion_logprobs` through prompt-sharing packs (:func:`pack_completions`): one plain forward with
     a 4-D attention mask and no cache, so it works under activation checkpointing. For ``G`` completions of a
@@ -262,7 +269,8 @@ def packed_completion_logprobs(
     where = (packs.pack * L + packs.column).to(dev)  # [B, T] flat positions in the packs
     hidden = out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
     mask = batch.completion_mask.to(dev)
-    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
+    targets = batch.completion_ids.to(dev)
+    lp, ent = shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
     lp = lp.masked_fill(~mask, 0.0)
     return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)
 

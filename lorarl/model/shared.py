@@ -340,16 +340,18 @@ class SharedBase:
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        token_stat=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Policy / reference: log p(input_ids[:, t] | input_ids[:, :t]) for t >= start, at ``temperature``.
 
-        input_ids, attention_mask [B, L] -> logprobs [B, L - start] fp32 (entropy [B, L - start] if asked; with a
-        gradient only if ``entropy_grad``: :func:`~lorarl.model.chunked.chunked_token_logprobs`).
+        input_ids, attention_mask [B, L] -> logprobs [B, L - start] fp32 (entropy [B, L - start] if asked, or
+        ``token_stat`` in its place; with a gradient only if ``entropy_grad``:
+        :func:`~lorarl.model.chunked.chunked_token_logprobs`).
         """
         if start < 1:
             raise ValueError("start must be >= 1 (the first token has no prediction)")
         hidden = self.hidden_states(input_ids, attention_mask)[:, start - 1 : -1]
-        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy, entropy_grad)
+        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy, entropy_grad, token_stat)
 
     def hidden_logprobs(
         self,
@@ -358,6 +360,7 @@ class SharedBase:
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        token_stat=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log softmax(output_head(hidden) / temperature)[targets]: hidden [B, T, H], targets [B, T] -> [B, T] fp32
         (entropy too if asked), a chunk of logits at a time as ``model.logprob_chunk_size`` and
@@ -371,6 +374,7 @@ class SharedBase:
             with_entropy,
             chunk_tokens=self.cfg.logprob_chunk_tokens,
             entropy_grad=entropy_grad,
+            token_stat=token_stat,
         )
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:

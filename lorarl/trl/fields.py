@@ -217,16 +217,28 @@ def _grpo_batch(value: int, ctx: dict) -> dict:
     return {"train.prompts_per_step": rows // a.num_generations, "train.micro_batch_size": value}
 
 
+# TRL's GRPO loss_type -> (grpo.policy_loss, grpo.loss_reduction): TRL's one name is lorarl's two keys
+GRPO_LOSS_TYPES = {
+    "grpo": ("clip", "seq_mean_token_mean"),
+    "dapo": ("clip", "token_mean"),
+    "dr_grpo": ("clip", "seq_sum_norm"),
+    "bnpo": ("clip", "micro_batch_token_mean"),
+    "luspo": ("clip", "seq_mean_token_sum"),
+    "cispo": ("cispo", "token_mean"),
+    "sapo": ("sapo", "seq_mean_token_mean"),
+    "vespo": ("vespo", "token_mean"),
+}
+
+
 def _grpo_loss(value: str, ctx: dict) -> dict:
-    table = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "seq_sum_norm"}
-    if value not in table:
-        refuse(
-            f"{ctx['cls']}.loss_type",
-            value,
-            "lorarl's GRPO losses are grpo, dapo and dr_grpo (grpo.loss_reduction: seq_mean_token_mean, token_mean, "
-            "seq_sum_norm); bnpo normalises per micro-batch, which lorarl does not: use dapo",
-        )
-    return {"grpo.loss_reduction": table[value]}
+    if value not in GRPO_LOSS_TYPES:
+        refuse(f"{ctx['cls']}.loss_type", value, f"TRL 1.16's GRPO loss types are {', '.join(GRPO_LOSS_TYPES)}")
+    policy, reduction = GRPO_LOSS_TYPES[value]
+    keys = {"grpo.policy_loss": policy, "grpo.loss_reduction": reduction}
+    if value == "cispo":  # TRL's epsilon_high is CISPO's eps_max (None -> epsilon, as TRL reads it)
+        a = ctx["args"]
+        keys["grpo.cispo_eps_max"] = a.epsilon if a.epsilon_high is None else a.epsilon_high
+    return keys
 
 
 def _scale_rewards(value: Any, ctx: dict) -> dict:
@@ -250,11 +262,20 @@ def _sync_ref(value: bool, ctx: dict) -> dict:
     return {"grpo.kl.ref_refresh_every": a.ref_model_sync_steps}
 
 
+# TRL 1.16's DPOTrainer loss types (its _compute_loss): lorarl has each under the same name
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+
+
 def _dpo_losses(value: Any, ctx: dict) -> dict:
     names = [value] if isinstance(value, str) else list(value)
-    bad = [n for n in names if n not in ("sigmoid", "hinge", "ipo", "sft")]
+    bad = [n for n in names if n not in DPO_LOSS_TYPES]
     if bad:
-        refuse(f"{ctx['cls']}.loss_type", value, f"lorarl's DPO losses are sigmoid, hinge, ipo and sft, not {bad}")
+        refuse(
+            f"{ctx['cls']}.loss_type", value, f"TRL 1.16's DPO loss types are {', '.join(DPO_LOSS_TYPES)}, not {bad}"
+        )
     return {"dpo.loss_type": names if len(names) > 1 else names[0]}
 
 
@@ -601,14 +622,17 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     ),
     "epsilon_high": Map("grpo.clip_eps_high", "None -> epsilon, as TRL", _clip_high),
     "delta": Refuse("two-sided clipping (delta) is not implemented"),
-    "sapo_temperature_neg": Note("read by loss_type sapo only, which lorarl refuses"),
-    "sapo_temperature_pos": Note("read by loss_type sapo only, which lorarl refuses"),
-    "vespo_k_pos": Note("read by loss_type vespo only, which lorarl refuses"),
-    "vespo_lambda_pos": Note("read by loss_type vespo only, which lorarl refuses"),
-    "vespo_k_neg": Note("read by loss_type vespo only, which lorarl refuses"),
-    "vespo_lambda_neg": Note("read by loss_type vespo only, which lorarl refuses"),
+    "sapo_temperature_neg": Map("grpo.sapo_temperature_neg", "read by loss_type sapo (grpo.policy_loss sapo)"),
+    "sapo_temperature_pos": Map("grpo.sapo_temperature_pos", "read by loss_type sapo (grpo.policy_loss sapo)"),
+    "vespo_k_pos": Map("grpo.vespo_k_pos", "read by loss_type vespo (grpo.policy_loss vespo)"),
+    "vespo_lambda_pos": Map("grpo.vespo_lambda_pos", "read by loss_type vespo"),
+    "vespo_k_neg": Map("grpo.vespo_k_neg", "read by loss_type vespo"),
+    "vespo_lambda_neg": Map("grpo.vespo_lambda_neg", "read by loss_type vespo"),
     "importance_sampling_level": Map(
-        "grpo.importance_sampling_level", "token or sequence (GSPO; lorarl needs loss_type grpo with it)", _is_level
+        "grpo.importance_sampling_level",
+        "token or sequence (GSPO); sequence goes with loss_type grpo, luspo or sapo (refused at load with dapo, "
+        "dr_grpo, bnpo and cispo, where TRL warns, and with vespo)",
+        _is_level,
     ),
     "reward_weights": Map("reward.functions[i].weight", "one weight per reward function, as TRL", lambda v, c: {}),
     "multi_objective_aggregation": Refuse(
@@ -616,8 +640,11 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     ),
     "scale_rewards": Map("grpo.std_scaling", "group / batch / none (True = group, False = none)", _scale_rewards),
     "loss_type": Map(
-        "grpo.loss_reduction",
-        "grpo -> seq_mean_token_mean, dapo -> token_mean, dr_grpo -> seq_sum_norm; others refused",
+        "grpo.policy_loss + grpo.loss_reduction",
+        "grpo -> clip + seq_mean_token_mean, dapo -> clip + token_mean, dr_grpo -> clip + seq_sum_norm, bnpo -> clip + "
+        "micro_batch_token_mean, luspo -> clip + seq_mean_token_sum, cispo -> cispo + token_mean (grpo.cispo_eps_max = "
+        "epsilon_high, or epsilon when None, as TRL reads it: set epsilon_high=5.0 as ScaleRL does), sapo -> sapo + "
+        "seq_mean_token_mean, vespo -> vespo + token_mean",
         _grpo_loss,
     ),
     "mask_truncated_completions": Map("grpo.mask_truncated"),
@@ -667,17 +694,27 @@ DPO_OWN: dict[str, Map | Note | Refuse] = {
     "precompute_ref_log_probs": Map("dpo.precompute_ref_log_probs"),
     "loss_type": Map(
         "dpo.loss_type",
-        "sigmoid, hinge, ipo, sft, or a list of them with loss_weights (TRL 1.x); others refused",
+        "every TRL 1.16 type by its name, or a list of them with loss_weights (TRL 1.x); aot / aot_unpaired sort the "
+        "pairs of each micro-batch (per_device_train_batch_size), as TRL",
         _dpo_losses,
     ),
     "loss_weights": Map("dpo.loss_weights"),
-    "ld_alpha": Refuse("LD-DPO's length weighting is not implemented"),
-    "f_divergence_type": Refuse("lorarl's DPO uses the reverse KL (TRL's default)"),
-    "f_alpha_divergence_coef": Note("read by f_divergence_type alpha_divergence only, which lorarl refuses"),
-    "label_smoothing": Map("dpo.label_smoothing"),
+    "ld_alpha": Map("dpo.ld_alpha", "LD-DPO: policy and reference sums alike; sft's NLL reads the plain log-probs"),
+    "f_divergence_type": Map(
+        "dpo.f_divergence_type", "refused at load with the loss types TRL refuses (nca_pair, bco_pair, sppo_hard, ...)"
+    ),
+    "f_alpha_divergence_coef": Map("dpo.f_alpha_divergence_coef", "TRL's alpha form, (u^(alpha-1) - 1) / (alpha - 1)"),
+    "label_smoothing": Map(
+        "dpo.label_smoothing",
+        "read by robust, exo_pair, aot, aot_unpaired as TRL; lorarl's sigmoid reads it too (conservative DPO, TRL "
+        "0.x), TRL 1.16's sigmoid does not",
+    ),
     "beta": Map("dpo.beta", "same convention: DPO's beta (IPO's tau)"),
-    "use_weighting": Refuse("WPO's weighting is not implemented"),
-    "discopop_tau": Note("read by loss_type discopop only, which lorarl refuses"),
+    "use_weighting": Map(
+        "dpo.use_weighting",
+        "WPO, from the policy's own forward; refused at load with aot, aot_unpaired (as TRL) and sft",
+    ),
+    "discopop_tau": Map("dpo.discopop_tau"),
     "sync_ref_model": Map(
         "(refused when True)",
         "TR-DPO's reference sync: lorarl's DPO reference is the base with adapters off, fixed",

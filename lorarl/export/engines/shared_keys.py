@@ -121,3 +121,23 @@ def _get(obj: object, dotted: str) -> object:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+# grpo.policy_loss's own settings, by the policy loss that reads them
+POLICY_LOSS_SETTINGS = {
+    "cispo": ("cispo_eps_max",),
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
+
+
+def grpo_policy_loss(g, m: Mapping, engine: str) -> None:
+    """``grpo.policy_loss`` and its settings: the hand-offs run the engine's PPO clip; CISPO / SAPO / VESPO are not
+    carried over (the engines that have one name its parameters their own way)."""
+    if g.policy_loss == "clip":
+        m.skip("grpo.policy_loss", "clip", f"PPO's clip: {engine}'s default policy loss, as lorarl's")
+    else:
+        m.skip("grpo.policy_loss", g.policy_loss, f"not mapped: the hand-off runs {engine}'s PPO clip")
+    for loss, keys in POLICY_LOSS_SETTINGS.items():
+        for key in keys:
+            m.skip(f"grpo.{key}", getattr(g, key), f"read by grpo.policy_loss {loss} only (not mapped)")
