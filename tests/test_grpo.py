@@ -177,9 +177,15 @@ def test_failing_reward_stops_the_run_with_a_clear_message(peaky_model_dir, rewa
     recipe = tiny_recipe(
         peaky_model_dir, reward_file, reward={"functions": [{"name": f"{reward_file}:boom"}]}, train={"steps": 10}
     )
-    with pytest.raises(LorarlError, match=r"failed in 4 of 4 calls .*reward service down"):
+    with pytest.raises(
+        LorarlError,
+        match=r"^reward boom failed on every call of 2 steps in a row \(steps 1-2; reward.max_failed_steps=2\): "
+        r"RuntimeError: reward service down$",
+    ):
         train(recipe, tmp_path / "run")
-    assert len(read_metrics(tmp_path / "run")) == 3  # steps 1-3 ran (and were logged) before the stop
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1]  # step 2 stopped after its scoring, before it trained
+    assert rows[0]["trained_rows"] == 0 and rows[0]["reward_failures"] == 1
 
 
 def test_occasional_reward_failures_are_isolated_and_counted(peaky_model_dir, reward_file, tmp_path):

@@ -240,8 +240,7 @@ class GRPO:
             record_sampler=record_sampler,
         )
         rollout, self.agent_metrics = sampled.rollout, sampled.metrics
-        scored = self.source.score_rollout(self.prompts, rollout)
-        scored.total = sampled.total_reward(scored.total)  # + the environment's get_reward(), when it has one
+        scored = sampled.score(self.source, self.prompts, step)  # + the environment's get_reward(), when it has one
         self.source.report_failures(scored, step, self.recipe.reward.max_failure_fraction, "its values are left out")
         return rollout, scored
 
@@ -295,6 +294,7 @@ class GRPO:
         tally = None
         if cfg.dynamic_sampling.enabled:
             rollout, scored, tally = self.fill_groups(batch, rollout, scored, record_sampler)
+        self.source.end_step(step)  # a reward function without a value in max_failed_steps steps stops the run
 
         # 4. Group-relative advantages [N] (NaN rewards left out of their group's statistics) ------------------
         adv = group_advantages(scored.total, G, cfg.std_scaling, unbiased_std=cfg.unbiased_std)
@@ -363,10 +363,12 @@ class GRPO:
             shared.copy_adapter(POLICY, REFERENCE)
 
         # 8. Metrics; the first train.log_completions rows as text (the loop writes them to completions.jsonl) ----
-        self.samples = completion_samples(shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions)
+        self.samples = completion_samples(
+            shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions, columns=scored.columns
+        )
         lengths = rollout.lengths.float()
         valid = ~torch.isnan(scored.total)
-        return {
+        row = {
             "reward": float(torch.nanmean(scored.total)) if valid.any() else float("nan"),
             "reward_std": nan_std(scored.total),
             "reward_std_group": float(adv.group_std.mean()),
@@ -386,6 +388,7 @@ class GRPO:
             "learning_rate": lr,
             "trained_rows": int(len(rows)),
             "reward_failures": self.source.failures,
+            "reward_failed_values": self.source.failed_values,
             "skipped_updates": self.guard.skipped,
             **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(lengths.sum()),
@@ -394,6 +397,7 @@ class GRPO:
             **tis_metrics(self.tis_active, tis_seen, update_stats),
             **(dynamic_sampling_metrics(tally, tcfg.prompts_per_step, self.drawn_rewards) if tally else {}),
         }
+        return self.source.with_logged(row)  # + what the reward functions logged with log_metric
 
     def evaluate(self) -> dict:
         return evaluate_policy(self)

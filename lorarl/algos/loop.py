@@ -436,6 +436,8 @@ def train_in(
         }
 
     # 5. Final adapters, plot, summary ------------------------------------------------------------------------
+    if hasattr(algo, "source"):  # a reward function that failed on every step of the run: not a success
+        algo.source.check_finished()
     summary = algo.finish(run_dir, history)
     plot = plot_metrics(run_dir, panels=algo.plot_panels)
     write_state(run_dir, "finished", loop.step, last_step)

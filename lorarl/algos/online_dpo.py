@@ -214,14 +214,16 @@ class OnlineDPO(GuardState):
 
         # 3. Rewards, then the ranking --------------------------------------------------------------------------------
         with phase("rewards"):
-            scored = self.source.score_rollout(self.prompts, rollout)
+            scored = self.source.score_rollout(self.prompts, rollout, step=batch.step)
         # failures isolated as NaN (no pair), reported, and bounded as in GRPO
         self.source.report_failures(
             scored, batch.step, self.recipe.reward.max_failure_fraction, "its values are left out"
         )
+        self.source.end_step(batch.step)
         chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty, cfg.group_size)
         metrics = self.sample_metrics(rollout, scored.total, chosen, rejected, ties)
-        metrics.update(scored.means())
+        metrics.update(scored.means(), reward_failures=self.source.failures)
+        self.source.with_logged(metrics)
         if not chosen:  # every prompt tied: nothing to prefer (the schedule still advances, as an empty GRPO step)
             advance(self.policy.scheduler)
             return {**metrics, "loss": float("nan"), "skipped_updates": self.guard.skipped}

@@ -160,7 +160,12 @@ class RewardConfig:
     adapter: str | None = None  # the reward adapter + score head (recipes/reward_model.yaml's run dir or adapter)
     model_weight: float = 1.0  # source both: total = model_weight * reward-model score + weighted functions
     timeout_s: float = 60.0  # per call of one reward function on one batch; 0 = no limit
-    max_failure_fraction: float = 0.5  # failed reward calls (exception, timeout) before the run stops
+    # the run stops once one function was called 4 times and more than this fraction of its calls (exception,
+    # timeout, malformed result) or of its values (NaN, not a finite float32) failed; per function (docs/rewards.md)
+    max_failure_fraction: float = 0.5
+    # the run stops (exit 2) when one function has no usable value in this many steps in a row (every call failed,
+    # or every value it returned); a run that ends with a function that failed on all its steps fails too; 0: never
+    max_failed_steps: int = 2
 
     def validate(self, where: str) -> None:
         for i, spec in enumerate(self.functions):
@@ -168,6 +173,7 @@ class RewardConfig:
             validate_reward_entry(spec, where, i)
         check(self.timeout_s >= 0, where, "reward.timeout_s", "must be >= 0 (0: no limit)")
         check(0 < self.max_failure_fraction <= 1, where, "reward.max_failure_fraction", "must be in (0, 1]")
+        check(self.max_failed_steps >= 0, where, "reward.max_failed_steps", "must be >= 0 (0: never stop for it)")
 
 
 @dataclass

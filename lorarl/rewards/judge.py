@@ -34,6 +34,7 @@ from lorarl.core.messages import completion_text
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
 from lorarl.model.tokens import completion_mask
+from lorarl.rewards.call_args import CALL_ARGS
 from lorarl.rewards.judge_prompts import (
     DEFAULT_RUBRICS,
     JudgeParseError,
@@ -49,7 +50,7 @@ from lorarl.rollout.engines import HFEngine
 from lorarl.runs import find_adapter, resolve_path
 
 JUDGE = "judge"  # the adapter name of a judge adapter on the shared base
-NOT_COLUMNS = ("completion_ids",)  # fields the scorer passes that are not dataset columns
+NOT_COLUMNS = ("completion_ids", *CALL_ARGS)  # fields the scorer passes that are not dataset columns
 
 
 def encode_judge_prompt(text: str, tokenizer, answer_prefix: str = "") -> list[int]:

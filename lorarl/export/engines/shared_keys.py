@@ -47,6 +47,11 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         "reward.py scores a raising reward as missing (like lorarl) but never stops the run",
     )
     m.skip(
+        "reward.max_failed_steps",
+        r.reward.max_failed_steps,
+        "the engines never stop a run for a reward that fails on every row",
+    )
+    m.skip(
         "model.quantization",
         r.model.quantization,
         "the engines train on bf16 weights; an adapter trained on an NF4 base behaves somewhat differently on the "
