@@ -27,6 +27,7 @@ from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
 from lorarl.rewards.call_args import LOG_METRIC_PREFIX, add_logged, pool_sums
 from lorarl.rewards.source import RewardSource, reward_source
+from lorarl.runfiles import write_atomic
 from lorarl.runs import find_adapter
 from lorarl.runstate import STATE_FILE, read_json
 from lorarl.tasks import accuracy
@@ -171,7 +172,7 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     out.update(evaluate_role(shared, recipe, role, n, steps_done=adapter_steps(adapter)))
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
-        (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")
+        write_atomic(adapter.parent / "eval.json", json.dumps(out, indent=2))
     return out
 
 

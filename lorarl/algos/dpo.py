@@ -65,6 +65,7 @@ from lorarl.data.pairs import PairSet, load_pairs, skipped_summary
 from lorarl.errors import DataError
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.phases import phase
+from lorarl.runfiles import write_atomic
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
 POLICY = "policy"
@@ -335,7 +336,7 @@ class DPO:
         self.shared.save_adapter(POLICY, run_dir / POLICY)
         ev = self.eval_result or {}
         if ev:
-            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2), encoding="utf-8")
+            write_atomic(run_dir / "eval.json", json.dumps(ev, indent=2))
         tp = self.train_pairs
         return {
             "policy": str(run_dir / POLICY),
@@ -431,5 +432,5 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
         out.update({k: v for k, v in task.items() if k not in ("checkpoint", "seconds")})
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
-        (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")  # a run's final policy
+        write_atomic(adapter.parent / "eval.json", json.dumps(out, indent=2))  # a run's final policy
     return out

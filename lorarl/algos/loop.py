@@ -44,6 +44,7 @@ from lorarl.model.host_memory import release_freed_tensors
 from lorarl.phases import phase, recording
 from lorarl.plan.bounds import check_planned_memory
 from lorarl.rollout.fast import engine_metrics
+from lorarl.runfiles import write_atomic
 from lorarl.runs import latest_checkpoint
 from lorarl.runstate import (
     CompletionsLog,
@@ -151,7 +152,7 @@ def start_run(recipe: Recipe, out_dir: str | os.PathLike) -> Path:
         use_deterministic_algorithms()
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    write_atomic(run_dir / "recipe.yaml", yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     return run_dir
 
 

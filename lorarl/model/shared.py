@@ -35,6 +35,7 @@ from lorarl.model.chunked import chunked_token_logprobs
 from lorarl.model.loading import OutputHead, load_base, logit_transform, lora_config, new_head
 from lorarl.model.sampling import use_clean_generation_config
 from lorarl.model.tokens import end_of_turn_id, eos_token_ids, last_token_index, position_ids
+from lorarl.runfiles import refuse_links
 
 REFERENCE = "reference"
 HEAD_FILE = "head.safetensors"
@@ -419,7 +420,7 @@ class SharedBase:
         head.safetensors for roles with a head) at ``folder``, atomically (temp folder, then rename)."""
         from safetensors.torch import save_file
 
-        folder = Path(folder)
+        folder = refuse_links(folder)  # (lorarl.runfiles: nothing in a run folder is written through a link)
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:

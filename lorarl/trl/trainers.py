@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
+from lorarl.runfiles import refuse_links, write_atomic
 from lorarl.trl.fields import check_finite, default_config, refuse, translate
 
 log = logging.getLogger("lorarl.trl")
@@ -329,12 +330,12 @@ class _Trainer:
         src = run.path / self.adapter
         if not src.is_dir():
             raise LorarlError(f"{src}: no trained adapter (the run stopped before its end?)")
-        for p in src.iterdir():
-            dest = out / p.name
+        for p in src.iterdir():  # never through a link planted in output_dir (lorarl.runfiles)
+            dest = refuse_links(out / p.name)
             if p.is_dir():
                 shutil.copytree(p, dest, dirs_exist_ok=True)
             else:
-                shutil.copy2(p, dest)
+                write_atomic(dest, p.read_bytes())
 
 
 class GRPOTrainer(_Trainer):
