@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from lorarl.errors import LorarlError
 from lorarl.phases import PhaseLog
 from lorarl.runstate import read_json, write_json_atomic
 
@@ -68,7 +69,8 @@ class StepProgress:
         data = {"step": self.step, "phase": name, "phase_started": started}
         if self.tokens is not None:
             data["tokens"], data["max_tokens"] = self.tokens
-        with contextlib.suppress(OSError):  # progress is a courtesy: a full disk never stops the run here
+        # progress is a courtesy: a full disk, or a link planted at step.json (refused), never stops the run here
+        with contextlib.suppress(OSError, LorarlError):
             write_json_atomic(self.path, data)
         self._written = time.monotonic()
 

@@ -517,7 +517,7 @@ def test_export_offers_replace_names_its_default_gives_a_verdict_and_runs_one_at
     assert wb.on_export_refresh(None).value == "newer/policy"  # the newest run's final adapter, not an empty pick
     calls, gate_open = [], threading.Event()
 
-    def fake(run_dir, fmt, out_name, *, runs_dir, checkpoint=None, gate=None, force=False):
+    def fake(run_dir, fmt, out_name, *, runs_dir, consent, checkpoint=None, gate=None, force=False):
         calls.append((Path(run_dir).name, out_name, gate, force))
         gate_open.wait(5)
         (runs_dir / "exports" / out_name).mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 newest run's final adapter by default), a format, a name (empty: the default name, said where the export went), a
 minimum greedy agreement for the fidelity gate (empty: the figures are reported, not gated) and whether an export
 of that name may be replaced; the export runs with the button disabled and a line saying what runs, then the gate's
-figures end with its verdict. One export at a time: a second one (another browser tab) is refused with a line."""
+figures end with its verdict. One export at a time: a second one (another browser tab) is refused with a line. An
+export whose run names code of its own lists it first and runs on the second press (:mod:`lorarl.chat.consent`)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ def gate_view(result: dict) -> tuple[str, list[list[str]]]:
 
 
 class ExportTab:
-    """The Export tab's callbacks; needs ``self.catalog``, ``self.runs_dir``, ``self.memory`` and
-    ``self.checkpoint_choices`` of the Workbench."""
+    """The Export tab's callbacks; needs ``self.catalog``, ``self.runs_dir``, ``self.memory``,
+    ``self.checkpoint_choices`` and ``self._consented`` (code of a run's folder runs on the second press, as Resume)
+    of the Workbench."""
 
     _export_lock = threading.Lock()  # one export at a time in this app (each loads a model)
     _exporting: tuple[str, float] | None = None  # what runs, since when
@@ -103,8 +105,13 @@ class ExportTab:
             gate = None if minimum in (None, "") else float(minimum)
             if gate is not None and not 0 <= gate <= 1:
                 raise LorarlError(f"minimum greedy agreement must be between 0 and 1, got {minimum}")
+            code = exporting.export_code(self.runs_dir / entry.run, self.runs_dir, step, strict=False)
         except (LorarlError, ValueError) as e:
             yield f"**not exported:** {e}", "", gr.Dataframe(visible=False), idle
+            return
+        if not self._consented(f"export:{checkpoint_id}", code):  # listed first; the second press is the consent
+            line = f"**not exported yet:** exporting `{checkpoint_id}` runs code from its run's folder in this "
+            yield line + f"app: {code.describe()}; read it, then press Export again to run it", "", gr.skip(), idle
             return
         if not self._export_lock.acquire(blocking=False):
             what, since = ExportTab._exporting or ("an export", time.time())
@@ -124,8 +131,8 @@ class ExportTab:
             result, _ = self.memory.start(
                 Work(f"the export of {checkpoint_id}", None),
                 lambda _: exporting.export_with_gate(
-                    self.runs_dir / entry.run, fmt, out_name, runs_dir=self.runs_dir, checkpoint=step,
-                    gate=gate, force=bool(force),
+                    self.runs_dir / entry.run, fmt, out_name, runs_dir=self.runs_dir, consent=self.catalog.consent,
+                    checkpoint=step, gate=gate, force=bool(force),
                 ),
             )  # fmt: skip
         except LorarlError as e:

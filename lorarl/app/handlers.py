@@ -47,7 +47,7 @@ class Workbench(TrainTab, ExportTab):
         session.pause = self.memory.chat_pause
         self._watches: dict[Path, Any] = {}
         self._shown: dict[tuple[str, Path], tuple] = {}  # (browser session, run) -> view_stamp last sent
-        self._resume_shown: dict[str, str] = {}  # run label -> digest of the code its Resume listed (press again)
+        self._code_shown: dict[str, str] = {}  # button:target -> digest of the code its last press listed
         self._blockers: dict[tuple, str | None] = {}  # (run, recipe, its mtime, overrides) -> resume_blocker's line
         self._lock = threading.Lock()
 
@@ -110,7 +110,7 @@ class Workbench(TrainTab, ExportTab):
         stamp = view_stamp(view)
         fresh = self._shown.get(key) != stamp
         self._shown[key] = stamp
-        live = self.runner.live()
+        live = self.runner.own_live()  # (a run of a train.pid this app did not write is named when Resume is pressed)
         return view_outputs(view, fresh, live, self.runner.label(live) if live is not None else None)
 
     def resume_blocker(self, run_dir: Path) -> str | None:
@@ -146,15 +146,11 @@ class Workbench(TrainTab, ExportTab):
             if blocker:
                 return f"**not resumed:** it would fail before its first step: {blocker}; fix that, then launch again"
             code = resume_code(recipe, overrides, label)
-            if not self.catalog.consent.allowed(code):  # listed first; the second press is the consent
-                if self._resume_shown.get(label) != code.digest:
-                    self._resume_shown[label] = code.digest
-                    return (
-                        f"**not resumed yet:** run {label} runs code from its folder when resumed: {code.describe()}; "
-                        "read it, then press Resume again to run it"
-                    )
-                self.catalog.consent.allow(code)
-            self._resume_shown.pop(label, None)
+            if not self._consented(f"resume:{label}", code):
+                return (
+                    f"**not resumed yet:** run {label} runs code from its folder when resumed: {code.describe()}; "
+                    "read it, then press Resume again to run it"
+                )
             work = Work(f"the resume of run {label}", run_dir, recipe, tuple(overrides), pin=False)
             run_dir, admission = self.memory.start(work, lambda _: self.runner.resume(run_dir))
         except LorarlError as e:
@@ -162,6 +158,18 @@ class Workbench(TrainTab, ExportTab):
         note = f" ({admission.note})" if admission.note else ""
         shown = " ".join([str(recipe), *overrides])
         return f"resumed `{label}`: `lorarl train {shown} --out {run_dir} --resume`{note}"
+
+    def _consented(self, press: str, code) -> bool:
+        """Whether ``code`` (a :class:`~lorarl.chat.consent.RunCode`, or None) may run for button press ``press``:
+        none, allowed already, or listed by the previous press of the same button (this press is then the consent);
+        else it is remembered as listed, for the caller to show."""
+        if not self.catalog.consent.allowed(code):
+            if self._code_shown.get(press) != code.digest:
+                self._code_shown[press] = code.digest
+                return False
+            self.catalog.consent.allow(code)
+        self._code_shown.pop(press, None)
+        return True
 
     # ---- Chat: votes -> retrain -------------------------------------------------------------------------------
     def votes_line(self) -> str:
@@ -215,8 +223,6 @@ class Workbench(TrainTab, ExportTab):
             return msg, gr.Tabs(selected="watch"), gr.Dropdown(self.run_choices(), value=name)
 
         return on_retrain
-
-    # ---- Export -----------------------------------------------------------------------------------------------
 
 
 def resume_code(recipe: Path, overrides: list[str], label: str):
