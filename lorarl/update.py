@@ -29,6 +29,7 @@ from lorarl.core.stats import MeanAccumulator
 from lorarl.errors import LorarlError
 from lorarl.model.precision import needs_loss_scaling
 from lorarl.phases import phase
+from lorarl.stepprogress import note_micro_batch
 
 # A loss function: micro-batch -> (loss contribution, {stat name: (sum, count)}).
 LossFn = Callable[[Any], tuple[Tensor, dict[str, tuple[float, float]]]]
@@ -93,10 +94,13 @@ def attach_loss_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradS
 
 
 def micro_batches(n: int, size: int) -> Iterator[slice]:
-    """Row slices ``[0, size), [size, 2 size), ...`` covering ``n`` rows."""
+    """Row slices ``[0, size), [size, 2 size), ...`` covering ``n`` rows (each one begun is reported to the running
+    step's ``RUN/step.json``: :func:`lorarl.stepprogress.note_micro_batch`)."""
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
-    for s in range(0, n, size):
+    total = -(-n // size)
+    for i, s in enumerate(range(0, n, size), 1):
+        note_micro_batch(i, total)
         yield slice(s, min(s + size, n))
 
 

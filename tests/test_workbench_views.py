@@ -147,6 +147,8 @@ def test_inside_a_step():
     ]
     assert live.inside_step(info, rows, now=112.0) == "step 3: generation, 57/96 tokens, 12 s (14 s per step so far)"
     assert live.inside_step({"step": 1, "phase": None}, []) == "step 1: starting"
+    training = {"step": 2, "phase": "training", "phase_started": 100.0, "micro_batch": 3, "micro_batches": 4}
+    assert live.inside_step(training, [], now=105.0) == "step 2: training, micro-batch 3/4, 5 s"
     assert live.inside_step(None, rows) == ""
 
 

@@ -34,6 +34,8 @@ def inside_step(info: dict | None, rows: list[dict], now: float | None = None) -
     text = f"step {info['step']}: {phase}"
     if isinstance(info.get("tokens"), int) and isinstance(info.get("max_tokens"), int):
         text += f", {info['tokens']}/{info['max_tokens']} tokens"
+    if isinstance(info.get("micro_batch"), int) and isinstance(info.get("micro_batches"), int):
+        text += f", micro-batch {info['micro_batch']}/{info['micro_batches']}"
     if isinstance(started, (int, float)):
         text += f", {max(0.0, (now if now is not None else time.time()) - started):.0f} s"
     typical = _typical(rows, phase)
