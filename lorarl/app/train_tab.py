@@ -67,7 +67,8 @@ class TrainTab:
     def recipe_choices(self) -> list[tuple[str, str]]:
         """The recipes, the quickstart first and marked as the place to start (:data:`START_HERE`)."""
         out = [(c.label, str(c.path)) for c in recipes.list_recipes(self.recipe_dirs, self.runs_dir)]
-        start = [c for c in out if Path(c[1]).name == START_HERE[0] and Path(c[1]).parent in self.recipe_dirs[:1]]
+        shipped = self.recipe_dirs[0].resolve() if self.recipe_dirs else None  # (recipe_folders: the shipped first)
+        start = [c for c in out if Path(c[1]).name == START_HERE[0] and Path(c[1]).resolve().parent == shipped]
         rest = [c for c in out if c not in start]
         return [(f"{START_HERE[1]}: {c[0]}", c[1]) for c in start] + rest
 
