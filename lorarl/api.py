@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config import Recipe, recipe_from_dict, recipe_to_dict
-from lorarl.errors import LorarlError
+from lorarl.errors import LorarlError, quote
 from lorarl.inmemory import (
     callable_name,
     check_registered,
@@ -71,17 +71,25 @@ def as_overrides(sections: dict, prefix: str = "") -> list[str]:
         if isinstance(value, dict) and value:
             out += as_overrides(value, path + ".")
             continue
-        text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
+        try:
+            text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
+        except yaml.YAMLError:  # an object YAML has no form for (a function, a model, object())
+            raise LorarlError(
+                f"{path}: a value of type {type(value).__name__} is not a recipe value (numbers, strings, lists and dicts of them; "
+                "functions and datasets go in reward_funcs, train_dataset, tools)"
+            ) from None
         out.append(f"{path}={text.removesuffix(chr(10)).removesuffix(chr(10) + '...').strip()}")
     return out
 
 
 def refuse_pipeline_recipe(path: str) -> None:
-    """``lorarl train`` on a pipeline recipe: say which command runs it (one line, exit code 2)."""
+    """``lorarl train`` on a pipeline recipe (a file or a shipped name): say which command runs it (one line, exit
+    code 2)."""
     from lorarl.config import yaml_load
+    from lorarl.config.shipped import resolve_recipe
 
     try:
-        data = yaml_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml_load(resolve_recipe(path).read_text(encoding="utf-8"))
     except Exception:  # unreadable: load_recipe reports it
         return
     if isinstance(data, dict) and "stages" in data:
@@ -93,8 +101,8 @@ def refuse_pipeline_recipe(path: str) -> None:
 def _build(recipe: Any, overrides: Iterable[str], sections: dict, objects: dict | None = None) -> Recipe:
     """A recipe (a path, a dict or a Recipe) with ``sections`` and ``objects`` (the ``python:`` names) applied as
     overrides before ``overrides``: a path goes through :func:`lorarl.config.load_recipe` as on the command line."""
-    if isinstance(overrides, str):
-        raise LorarlError(f"overrides: expected a list of section.key=value strings, got the string {overrides!r}")
+    if isinstance(overrides, str) or not isinstance(overrides, Iterable):
+        raise LorarlError(f"overrides: expected a list of section.key=value strings, got {quote(overrides)}")
     all_overrides = as_overrides(sections) + as_overrides(objects or {}) + list(overrides)
     if isinstance(recipe, (str, Path)):
         from lorarl.config import load_recipe as load_recipe_file
@@ -213,7 +221,11 @@ def prepare_run_dir(recipe: Recipe, out: str | Path, *, resume: bool = False, fo
 
         check_reward_source(recipe.reward, recipe.agent, resolve_agent(recipe.agent, recipe.source_path))
     out = Path(out)
+    from lorarl.runfiles import check_run_folder
+    from lorarl.runs import check_output_folder
     from lorarl.runstate import PID_FILE, PRE_RUN_FILES, VOTES_FILE, VOTES_TIES_FILE, check_not_live
+
+    check_output_folder(out, "run directory")
 
     check_not_live(out)  # never --force away (or resume into) a folder another process is training
     # the workbench (lorarl.app.jobs) writes DIR/train.log, DIR/launch.json (and this process's DIR/train.pid)
@@ -227,6 +239,7 @@ def prepare_run_dir(recipe: Recipe, out: str | Path, *, resume: bool = False, fo
         for p in out.iterdir():  # (a retrain's copy of the votes is its data: kept)
             if p.name not in (VOTES_FILE, VOTES_TIES_FILE):
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    check_run_folder(out)  # a link where the run writes: one line now, not a crash hours later (lorarl.runfiles)
     return out
 
 
@@ -258,6 +271,12 @@ def train(
     ``resume`` continues the newest checkpoint (the same in-memory datasets must be passed again: their fingerprints
     are checked); ``force`` empties a non-empty ``out``; ``max_steps`` stops after that step; ``progress``: a
     tqdm.auto bar (a widget in a notebook)."""
+    from lorarl.algos.loop import check_max_steps
+
+    check_max_steps(max_steps)
+    from lorarl.algos.loop import check_max_steps
+
+    check_max_steps(max_steps)
     objects: dict = {}
     extra = python_sections(
         objects,
@@ -295,12 +314,13 @@ def evaluate_recipe(recipe: Recipe, checkpoint: str, n: int | None = None) -> di
     greedy held-out evaluation (:func:`lorarl.evaluate.evaluate`)."""
     from lorarl.algos import algorithm_class
     from lorarl.algos.loop import set_threads
+    from lorarl.model import pick_device
 
     check_registered(recipe)
     evaluate_fn = getattr(algorithm_class(recipe.algo), "evaluate_checkpoint", None)
     if evaluate_fn is None:  # every policy-training algorithm: greedy held-out evaluation
         from lorarl.evaluate import evaluate as evaluate_fn
-    set_threads()
+    set_threads(pick_device(recipe.model.device).type)
     return evaluate_fn(recipe, checkpoint, n=n)
 
 

@@ -1,4 +1,4 @@
-"""``lorarl`` command line: models, train, pipeline, eval, chat, export, bench, plan.
+"""``lorarl`` command line: models, recipes, train, pipeline, eval, chat, export, bench, plan.
 
 User errors (recipe, data, files) print one line and exit with code 2; ``--debug`` shows the traceback.
 """
@@ -43,11 +43,32 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_recipes(args) -> int:
+    from lorarl.config import yaml_load
+    from lorarl.config.shipped import shipped_recipes, shipped_recipes_dir, summary
+
+    recipes = shipped_recipes()
+    if args.json:
+        _print_json_last({"folder": str(shipped_recipes_dir()), "recipes": {n: str(p) for n, p in recipes.items()}})
+        return 0
+    if not recipes:
+        raise LorarlError(f"no shipped recipes in {shipped_recipes_dir()} (a broken install?)")
+    width = max(map(len, recipes))
+    print(f"Shipped recipes ({shipped_recipes_dir()}): lorarl train NAME --out DIR (a pipeline: lorarl pipeline NAME)")
+    for name, path in recipes.items():
+        data = yaml_load(path.read_text(encoding="utf-8"))
+        tag = "pipeline: " if isinstance(data, dict) and "stages" in data else ""
+        print(f"  {name:<{width}}  {tag}{summary(path)}")
+    return 0
+
+
 def cmd_train(args) -> int:
+    from lorarl.algos.loop import check_max_steps
     from lorarl.api import refuse_pipeline_recipe
     from lorarl.config import load_recipe
 
     refuse_pipeline_recipe(args.recipe)
+    check_max_steps(args.max_steps)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
@@ -187,8 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="with --convert: convert again even if converted")
     m.set_defaults(func=cmd_models)
 
+    r = sub.add_parser("recipes", help="list the shipped recipes (train / eval / plan / pipeline take their names)")
+    r.add_argument("--json", action="store_true", help="print one JSON object: the folder and each recipe's file")
+    r.set_defaults(func=cmd_recipes)
+
     t = sub.add_parser("train", help="train with a recipe (GRPO, PPO, reward model, SFT, rejection sampling)")
-    t.add_argument("recipe", help="recipe YAML file")
+    t.add_argument("recipe", help="recipe YAML file, or a shipped recipe's name (lorarl recipes)")
     t.add_argument("--out", required=True, help="run directory")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     t.add_argument("--seed", type=int, default=None, help="overrides train.seed")
@@ -199,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     pp = sub.add_parser("pipeline", help="run a pipeline recipe's stages in order (SFT, rejection sampling, RL, ...)")
-    pp.add_argument("recipe", help="pipeline recipe YAML file (with `stages:`)")
+    pp.add_argument("recipe", help="pipeline recipe YAML file (with `stages:`) or a shipped one's name")
     pp.add_argument("--out", required=True, help="output directory (one run directory per stage)")
     pp.add_argument("--resume", action="store_true", help="continue: finished stages are kept, the current one resumes")
     pp.add_argument("--force", action="store_true", help="delete a non-empty --out and start over")
@@ -207,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.set_defaults(func=cmd_pipeline)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint (or the base) on the recipe's held-out set")
-    e.add_argument("recipe")
+    e.add_argument("recipe", help="recipe YAML file or a shipped recipe's name")
     e.add_argument("--checkpoint", required=True, help="'base', a run directory, or an adapter folder")
     e.add_argument("--n", type=int, default=None, help="number of held-out examples (default eval.n)")
     e.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
@@ -240,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipes",
         action="append",
         default=None,
-        help="a folder of recipes the Train tab offers besides the shipped recipes/ (repeatable)",
+        help="a folder of recipes the Train tab offers besides the shipped ones (repeatable)",
     )
     c.add_argument("--chat-only", action="store_true", help="only the chat, without the Train / Watch / Export tabs")
     c.set_defaults(func=cmd_chat)
@@ -274,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_env)
 
     pl = sub.add_parser("plan", help="predict peak GPU memory of a recipe and pick micro-batch sizes")
-    pl.add_argument("recipe")
+    pl.add_argument("recipe", help="recipe YAML file or a shipped recipe's name")
     pl.add_argument("--budget-gb", type=float, default=24.0)
     pl.add_argument("--model-config", default=None, help="a config.json path or a known model name (e.g. llama-3.1-8b)")
     pl.add_argument("overrides", nargs="*")

@@ -184,6 +184,9 @@ def cpu_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
+        # DEFAULT / AVX2 / AVX512: bitsandbytes 0.50's CPU dequantize takes its AVX-512 branch where this says AVX512
+        # (lorarl.model.nf4_dequant checks it at load)
+        "capability": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k) for k in THREAD_VARS},
     }
 

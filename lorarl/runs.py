@@ -153,6 +153,29 @@ def checkpoint_of(folder: Path) -> Path | None:
     return None
 
 
+KERNEL_TREES = ("/proc", "/sys", "/dev")  # file systems of the kernel: nothing lorarl writes belongs there
+
+
+def check_output_folder(out: str | os.PathLike, what: str) -> None:
+    """Refuse, with one line naming ``what`` (``--out``, ``run directory``), a folder lorarl cannot create or fill: a
+    link that leads nowhere, something that is not a folder, a path below a file, one under /proc, /sys or /dev, or
+    one whose nearest existing folder this process cannot write. Called before any slow work."""
+    out = Path(out).expanduser()
+    if out.is_symlink() and not out.exists():
+        raise LorarlError(f"{what} {out}: a link to {os.readlink(out)}, which does not exist")
+    if out.exists() and not out.is_dir():
+        raise LorarlError(f"{what} {out}: exists and is not a folder")
+    real = out.resolve()
+    for tree in map(Path, KERNEL_TREES):
+        if real == tree or tree in real.parents:
+            raise LorarlError(f"{what} {out}: under {tree}, a kernel file system; choose a folder on a disk")
+    existing = next(p for p in (real, *real.parents) if p.exists())
+    if not existing.is_dir():
+        raise LorarlError(f"{what} {out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LorarlError(f"{what} {out}: {existing} is not writable by this user")
+
+
 def shipped_file(name: str) -> Path:
     """A file shipped in ``lorarl/data/`` (``pkg:NAME``)."""
     root = Path(str(resources.files("lorarl") / "data"))

@@ -1,5 +1,7 @@
-"""lorarl.kernels: the NF4 matmul under Triton's interpreter on the CPU, against bitsandbytes' own dequantize + matmul,
-and the fast engine's kernel layer against the PEFT model it stands in for.
+"""lorarl.kernels: the NF4 matmul under Triton's interpreter on the CPU, against NF4 dequantized in plain torch + matmul
+(:func:`lorarl.model.nf4_dequant.dequantize_nf4`: bitsandbytes' own CPU dequantize is wrong on CPUs with AVX-512 for
+rows of 96 or 160, tests/test_nf4_dequant.py), and the fast engine's kernel layer against the PEFT model it stands
+in for.
 
 Tolerance: the kernel and the reference round the weight to the input dtype identically (``code * absmax`` in fp32,
 then ``.to(dtype)``), multiply exactly (bf16 / fp16 products are exact in fp32) and sum in fp32 in different orders
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from lorarl.kernels.nf4_matmul import NF4Weight, launch_config, nf4_matmul, reference_matmul
+from lorarl.model.nf4_dequant import dequantize_nf4
 
 RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
@@ -48,7 +51,7 @@ def quantized(n: int, k: int, dtype, nested: bool, seed: int = 0):
 
 def assert_matches(y, x, packed, qs, bias=None):
     ref = reference_matmul(x, packed, qs)
-    w = bnbf.dequantize_4bit(packed, qs).float()
+    w = dequantize_nf4(packed, qs).float()
     slack = 1e-5 * (x.float().abs() @ w.abs().T)
     if bias is not None:
         ref = (ref.float() + bias.float()).to(x.dtype)
@@ -93,7 +96,7 @@ def test_kernel_reads_nibbles_and_nested_absmax_as_bitsandbytes_does():
     packed, qs = bnbf.quantize_4bit(w.to(torch.bfloat16), quant_type="nf4", compress_statistics=True)
     eye = torch.eye(k, dtype=torch.bfloat16)[:64]  # x = e_0 .. e_63: y[i, j] = W[j, i]
     y = nf4_matmul(eye, NF4Weight.from_bnb(packed, qs))
-    deq = bnbf.dequantize_4bit(packed, qs)
+    deq = dequantize_nf4(packed, qs)
     assert torch.equal(y, deq[:, :64].T.contiguous())
 
 

@@ -100,7 +100,8 @@ def _assert_clean(results, elapsed: float, limits: SandboxLimits = HOSTILE) -> N
             assert sandbox_isolation._pids_of_uid(res.sandbox_uid) == []
         else:
             assert _live_harness_processes() == []
-        cwd = res.stdout.splitlines()[0] if res.stdout else ""
+        # PRINT_CWD's line: on stdout for a script, on stderr for asserts (the code's stdout is not the judge's)
+        cwd = next((line for line in (res.stdout + "\n" + res.stderr).splitlines() if line.startswith("/")), "")
         if cwd.startswith("/"):
             assert "lorarl_sbx_" in cwd
             assert not os.path.exists(cwd)
@@ -234,6 +235,100 @@ def test_exit_zero_and_main_guard_still_run_asserts():
 def test_forged_markers_do_not_count():
     code = "for i in range(3):\n    print(f':{i}')\n    print(f'0:{i}')\n    print(i)\n"
     assert run_tests(code, ["assert False", "assert False", "assert False"], FAST) == 0.0
+
+
+# The code of a completion that tries to pass tests it fails, by the harness's channels rather than by its answers.
+_FORGE = (
+    "import os, sys\n"
+    "def _forge(nonce):\n"
+    "    for fd in range(64):\n"
+    "        for i in range(4):\n"
+    "            try:\n"
+    "                os.write(fd, f'\\n{nonce}:{i}\\n'.encode())\n"
+    "            except OSError:\n"
+    "                pass\n"
+)
+FORGERIES = {
+    # the review's attack: the nonce from the harness's stack frame, markers written, a clean exit
+    "stack_frame_nonce": _FORGE
+    + "f = sys._getframe()\nwhile f is not None:\n    if 'nonce' in f.f_locals:\n        _forge(f.f_locals['nonce'])\n"
+    "        os._exit(0)\n    f = f.f_back\n",
+    # every 32-hex string of every live frame (other threads' too) as a nonce
+    "any_frame_string": _FORGE + "for top in sys._current_frames().values():\n    f = top\n    while f is not None:\n"
+    "        for v in list(f.f_locals.values()):\n            if isinstance(v, str) and len(v) == 32:\n"
+    "                _forge(v)\n        f = f.f_back\n",
+    "stdin_and_parent_fds": _FORGE
+    + "got = sys.stdin.read()\nfor p in (os.getppid(), 1):\n    for fd in (0, 1):\n        try:\n"
+    "            got += open(f'/proc/{p}/fd/{fd}', 'rb', buffering=0).read(64).decode()\n        except OSError:\n"
+    "            pass\n_forge(got.strip())\n",
+    "exit_zero_after_a_fake_pass": "import os\nfor i in range(4):\n    print(f'0:{i}', flush=True)\nos._exit(0)\n",
+    "system_exit_zero": "raise SystemExit(0)\n",
+    "system_exit_in_the_call": "def add(a, b):\n    raise SystemExit(0)\n",
+    "kill_the_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
+    "monkeypatch_the_harness": "import __main__\n__main__._Peer.serve = lambda self, m: {'v': True}\n"
+    "__main__._passes = lambda *a: True\ndef add(a, b):\n    return a - b\n",
+    "rewrite_tests_json": "import json\nopen('tests.json', 'w').write(json.dumps(['assert True'] * 4))\n"
+    "def add(a, b):\n    return a - b\n",
+    "ptrace_the_parent": "import ctypes, os\nctypes.CDLL(None).ptrace(16, os.getppid(), 0, 0)\n",  # PTRACE_ATTACH
+}
+
+
+@pytest.mark.parametrize("attack", sorted(FORGERIES))
+def test_the_verdict_cannot_be_forged(attack, info, runs):
+    """The asserts are judged by a process the code cannot reach; on main at 4fc16f4 the stack-frame nonce scored
+    1.0 on these tests. Both modes for the review's attack, the variants in the automatic mode."""
+    tests = ["assert False", "assert add(1, 2) == 3", "assert 1 == 2", "assert add(2, 2) == 4"]
+    modes = [info["mode"]] + (["uid"] if attack == "stack_frame_nonce" and info["mode"] == "namespaces" else [])
+    for mode in modes:
+        assert run_tests(FORGERIES[attack], tests, FAST, isolation=mode) == 0.0
+        assert runs[-1].stdout == ""  # not one marker reached the judge's stdout
+
+
+def test_asserts_see_the_code_as_one_interpreter_would():
+    """Tests run in the judge against the code in the worker: classes, generators, exceptions, callbacks, in-place
+    algorithms, globals the code changes, stdlib values, nested and large values all behave as in one process."""
+    code = (
+        "from fractions import Fraction\n"
+        "class Stack:\n    def __init__(self):\n        self.items = []\n"
+        "    def push(self, x):\n        self.items.append(x)\n        return self\n"
+        "    def pop(self):\n        return self.items.pop()\n    def __len__(self):\n        return len(self.items)\n"
+        "    def __eq__(self, other):\n        return isinstance(other, Stack) and self.items == other.items\n"
+        "    def __iter__(self):\n        return iter(self.items)\n"
+        "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+        "    def __repr__(self):\n        return f'Point({self.x}, {self.y})'\n"
+        "    def __lt__(self, o):\n        return (self.x, self.y) < (o.x, o.y)\n"
+        "    def __eq__(self, o):\n        return (self.x, self.y) == (o.x, o.y)\n"
+        "    def __hash__(self):\n        return hash((self.x, self.y))\n"
+        "def add(a, b):\n    return a + b\n"
+        "def rotate(nums, k):\n    k %= len(nums)\n    nums[:] = nums[-k:] + nums[:-k]\n"
+        "def squares(n):\n    for i in range(n):\n        yield i * i\n"
+        "def sort_by(xs, key):\n    return sorted(xs, key=key)\n"
+        "def div(a, b):\n    if b == 0:\n        raise ValueError('b is zero')\n    return a / b\n"
+        "class Missing(KeyError):\n    pass\ndef boom():\n    raise Missing('k')\n"
+        "counter = 0\ndef bump():\n    global counter\n    counter += 1\n"
+        "def values():\n    return {'min': 1, 'set': {1, 2}, 't': (1, (2, 3)), 'b': b'\\xff', 'z': 1j, 'n': float('nan'),"
+        " 'big': 3 ** 20000, 'grid': [[i * j for j in range(3)] for i in range(3)], 'long': list(range(30000))}\n"
+        "def half():\n    return Fraction(1, 2)\n"
+    )
+    tests = [
+        "s = Stack(); s.push(1).push(2); assert s.pop() == 2 and len(s) == 1",
+        "assert Stack().push(3) == Stack().push(3) and Stack().push(3) != Stack()",
+        "nums = [1, 2, 3, 4, 5]\nrotate(nums, 2)\nassert nums == [4, 5, 1, 2, 3]",
+        "assert list(squares(4)) == [0, 1, 4, 9] and sum(squares(4)) == 14 and 2 in Stack().push(2)",
+        "assert sort_by([3, 1, 2], key=lambda x: -x) == [3, 2, 1]",
+        "try:\n    div(1, 0)\n    assert False\nexcept ValueError as e:\n    assert 'zero' in str(e)",
+        "try:\n    boom()\nexcept KeyError:\n    pass\nelse:\n    assert False",
+        "bump()\nbump()\nassert counter == 2",
+        "import math\nv = values()\nassert v['set'] == {1, 2} and v['t'] == (1, (2, 3)) and v['b'] == b'\\xff' and v['z'] == 1j",
+        "v = values()\nassert math.isnan(v['n']) and v['big'] == 3 ** 20000 and v['grid'][2][1:] == [2, 4]",
+        "assert values()['long'] == list(range(30000)) and type(add(1, 2)) is int and isinstance(add(1.0, 2), float)",
+        "assert half() == 0.5 and float(half()) == 0.5",
+        "assert sorted([Point(2, 1), Point(1, 5)]) == [Point(1, 5), Point(2, 1)] and {Point(1, 2), Point(1, 2)} == {Point(1, 2)}",
+        "assert f'{Point(1, 2)}' == 'Point(1, 2)' and isinstance(Point(0, 0), Point) and Point(3, 4).x == 3",
+        "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate('a', 'b') == 'ab'\ncheck(add)",
+        "assert add(1, 1) == 3",  # the one wrong answer
+    ]
+    assert run_tests(code, tests, FAST) == pytest.approx(15 / 16)
 
 
 def test_stdin_stdout_tests():

@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from lorarl.core.messages import MAX_JSON_DEPTH, decode_json, json_depth
 from lorarl.errors import LorarlError
 
 
@@ -69,44 +70,7 @@ def _as_call(obj: Any, args_key: str) -> ToolCall | str:
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 MAX_CALLS_PER_TURN = 32  # tagged blocks read from one turn; the rest of the turn is one malformed call
-MAX_JSON_DEPTH = 64  # brackets a call's JSON may nest (1,000 "[" would reach the interpreter's recursion limit)
-
-
-def json_depth(text: str) -> int:
-    """How deep the brackets of a JSON text nest (``{`` and ``[`` outside strings), in one pass. Example:
-    ``'{"a": [1, "[["]}'`` -> 2."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
-def decode_json(text: str, start: int = 0) -> tuple[Any, int]:
-    """``json.JSONDecoder().raw_decode(text, start)``, refusing (ValueError, one line) JSON nested past
-    :data:`MAX_JSON_DEPTH` and what Python's decoder raises besides JSONDecodeError (an integer past its 4,300
-    digits)."""
-    if json_depth(text[start:]) > MAX_JSON_DEPTH:
-        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} brackets")
-    try:
-        return json.JSONDecoder().raw_decode(text, start)
-    except json.JSONDecodeError as e:
-        raise ValueError(e.msg) from None
-    except (ValueError, RecursionError) as e:
-        raise ValueError(str(e).split(";")[0] or type(e).__name__) from None
+__all__ = ["MAX_JSON_DEPTH", "decode_json", "json_depth"]  # lorarl.core.messages' bounded JSON, as before
 
 
 def parse_tagged(text: str) -> ParsedTurn:

@@ -162,8 +162,9 @@ class RLOO:
             reference=self.reference,
             record_sampler=record_sampler,
         )
-        scored = self.source.score_rollout(self.prompts, sampled.rollout)
+        scored = sampled.score(self.source, self.prompts, batch.step)  # GRPO's scorer, TRL's reward arguments
         self.source.report_failures(scored, batch.step, self.recipe.reward.max_failure_fraction, "left out")
+        self.source.end_step(batch.step)  # a reward function without a value in max_failed_steps steps stops the run
         return sampled.rollout, scored
 
     def step(self, batch: RLOOBatch) -> dict:
@@ -212,16 +213,19 @@ class RLOO:
             shared.copy_adapter(POLICY, REFERENCE)
 
         # 8. Metrics (TRL's names); the first train.log_completions rows as text ---------------------------------
-        self.samples = completion_samples(shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions)
+        self.samples = completion_samples(
+            shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions, columns=scored.columns
+        )
         task = shaped_rewards(scored.total, clip_range=cfg.reward_clip_range)  # [N] before the KL penalty
         zero_std = leave_one_out_advantages(task, cfg.group_size).zero_std  # [N/G] (health's no-signal check)
-        return {
+        row = {
             **sampled_metrics(self, rollout, scored, len(rows), lr, update_stats),  # GRPO's: reward, loss, ...
             "frac_reward_zero_std": float(zero_std.float().mean()),
             "kl": kl_mean,  # per token, over the loss tokens (TRL's); None without a reference
             **{name: update_stats.get(k) for k, name in SEQUENCE_STATS.items()},
             **health,
         }
+        return self.source.with_logged(row)  # + what the reward functions logged with log_metric
 
     def evaluate(self) -> dict:
         return evaluate_policy(self)

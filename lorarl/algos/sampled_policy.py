@@ -90,8 +90,8 @@ def sampled_metrics(algo, rollout, scored, trained_rows: int, lr: float, update_
     """The metrics every sampled step logs (TRL's names where TRL has them, docs/metrics.md): the rewards
     (``scored``, NaN where no function had a value), the task's accuracy, the completions' lengths, the update's
     loss, gradient norm, entropy and approximate KL (``update_stats`` of :func:`update_policy`; None without an
-    update), the step's learning rate ``lr``, the rows trained, the reward failures and skipped updates so far, the
-    fp16 loss scale."""
+    update), the step's learning rate ``lr``, the rows trained, the reward failures (calls, values) and skipped
+    updates so far, the fp16 loss scale."""
     from lorarl.tasks import accuracy
 
     lengths = rollout.lengths.float()
@@ -110,6 +110,7 @@ def sampled_metrics(algo, rollout, scored, trained_rows: int, lr: float, update_
         "learning_rate": lr,
         "trained_rows": int(trained_rows),
         "reward_failures": algo.source.failures,
+        "reward_failed_values": algo.source.failed_values,
         "skipped_updates": algo.guard.skipped,
         **algo.guard.loss_scale_metrics(),  # fp16 bases only
         "tokens": float(lengths.sum()),

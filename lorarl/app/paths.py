@@ -13,17 +13,13 @@ import os
 import re
 from pathlib import Path
 
+from lorarl.config.shipped import shipped_recipes_dir
 from lorarl.errors import LorarlError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
 RECIPE_SUFFIXES = (".yaml", ".yml")
 EXPORTS = "exports"  # RUNS/exports/NAME: where the page's exports go
 PIPELINE_FILE = "pipeline.yaml"  # written by `lorarl pipeline` into its output folder (lorarl.pipeline.run)
-
-
-def shipped_recipes_dir() -> Path:
-    """The repository's ``recipes/`` folder (beside the ``lorarl`` package in a source checkout)."""
-    return Path(__file__).resolve().parents[2] / "recipes"
 
 
 def is_inside(path: Path, folder: Path) -> bool:

@@ -29,6 +29,7 @@ from lorarl.app.paths import check_run_name, is_inside, shipped_recipes_dir
 from lorarl.chat.votes import PREFERENCES_FILE, ties_path
 from lorarl.config import load_recipe, yaml_load
 from lorarl.errors import LorarlError
+from lorarl.runfiles import write_atomic
 from lorarl.runs import CHECKPOINTS, STEP_RE, is_adapter
 from lorarl.runstate import VOTES_FILE, VOTES_TIES_FILE
 
@@ -232,7 +233,5 @@ def snapshot_votes(votes: Path, run_dir: Path) -> Path:
         if not src.is_file():
             dst.unlink(missing_ok=True)
             continue
-        tmp = dst.with_name(dst.name + ".tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        write_atomic(dst, src.read_bytes())
     return run_dir / VOTES_FILE

@@ -176,9 +176,11 @@ def run_cost(recipe_path: str, overrides: list[str], steps: int, out: Path, time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from lorarl.config.shipped import shipped_recipes_dir
+
     p = argparse.ArgumentParser(prog="python -m lorarl.bench.determinism", description=__doc__.split("\n")[0])
     p.add_argument("mode", nargs="?", default="cost", choices=["cost", "gather", "_worker"])
-    p.add_argument("--recipe", default=str(Path(__file__).resolve().parents[2] / "recipes" / "grpo_arithmetic.yaml"))
+    p.add_argument("--recipe", default=str(shipped_recipes_dir() / "grpo_arithmetic.yaml"))
     p.add_argument("--override", action="append", default=[], help="section.key=value (repeatable)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=10, help="gather: measurements per variant")

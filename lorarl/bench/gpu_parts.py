@@ -282,14 +282,10 @@ def fmt(x) -> str:
 
 
 def recipe_path(name: str) -> Path:
-    """A recipe file: a path, or a name under the checkout's ``recipes/`` (LorarlError when neither exists)."""
-    from lorarl.bench.procs import REPO
-    from lorarl.errors import LorarlError
+    """A recipe file: a path or a shipped recipe (``grpo_arithmetic.yaml``; RecipeError, one line, when neither)."""
+    from lorarl.config.shipped import resolve_recipe
 
-    for p in (Path(name), REPO / "recipes" / name):
-        if p.is_file():
-            return p
-    raise LorarlError(f"bench gpu: recipe {name} not found (run from a lorarl checkout: it reads recipes/)")
+    return resolve_recipe(name)
 
 
 # ---- step -----------------------------------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ def quantize_nf4(model, compute_dtype: torch.dtype) -> int:
     Returns how many were replaced."""
     import bitsandbytes as bnb
 
+    from lorarl.model.loading import keep_nf4_trainable
+    from lorarl.model.nf4_dequant import check_cpu_dequantize
+
     n = 0
     targets = [(name, mod) for name, mod in model.named_modules() if name.split(".")[-1] in LINEAR_NAMES]
     for name, lin in targets:
@@ -92,6 +95,8 @@ def quantize_nf4(model, compute_dtype: torch.dtype) -> int:
         del lin
         n += 1
     model.is_loaded_in_4bit = True  # peft dispatches its bnb LoRA layers on this flag
+    keep_nf4_trainable(model)  # as load_base: no CPU inference repacking, bitsandbytes' CPU dequantize checked
+    check_cpu_dequantize(model)
     return n
 
 

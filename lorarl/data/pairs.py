@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorarl.config import DataConfig
-from lorarl.data.preferences import encode_response, normalize_pair, read_rows, resolve_source, shape_pair
+from lorarl.data.preferences import (
+    encode_response,
+    normalize_pair,
+    pair_too_long_by_chars,
+    read_rows,
+    resolve_source,
+    shape_pair,
+)
 from lorarl.data.prompts import encode_prompt, prompt_text
 from lorarl.errors import DataError, LorarlError
 from lorarl.model.tokens import with_end_of_turn
@@ -96,8 +103,8 @@ def encode_dpo_pair(
     prompt = pair["prompt"]
     text = prompt_text(prompt, tokenizer, system_prompt, i)
     p_ids = encode_prompt(text, tokenizer, templated=not isinstance(prompt, str))
-    chosen = with_end_of_turn(encode_response(pair["chosen"], tokenizer), eos_ids, end_id)
-    rejected = with_end_of_turn(encode_response(pair["rejected"], tokenizer), eos_ids, end_id)
+    chosen = with_end_of_turn(encode_response(pair["chosen"], tokenizer, i, "chosen"), eos_ids, end_id)
+    rejected = with_end_of_turn(encode_response(pair["rejected"], tokenizer, i, "rejected"), eos_ids, end_id)
     return p_ids, chosen, rejected
 
 
@@ -127,6 +134,9 @@ def _one_row(row: Any, i: int, data: DataConfig, tokenizer, eos_ids, end_id, max
         if not prompt.strip():
             raise DataError(f"row {i}: column 'prompt' is missing and 'chosen' / 'rejected' share no prefix")
         pair = dict(pair, prompt=prompt, chosen=chosen, rejected=rejected)
+    why = pair_too_long_by_chars(pair, tokenizer, data.system_prompt, max_length, i)
+    if why:
+        return "too_long", f"row {i}: prompt + longer response: more than dpo.max_length={max_length} tokens: it {why}"
     ids = encode_dpo_pair(pair, tokenizer, data.system_prompt, eos_ids, end_id, i)
     p_ids, c_ids, r_ids = ids
     if c_ids == r_ids:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from lorarl.config import DataConfig
+from lorarl.data.prompts import check_message, prompt_text, render_chat, too_long_by_chars
 from lorarl.data.sources import map_columns, read_data_source
 from lorarl.errors import DataError, LorarlError
 from lorarl.runs import PKG_PREFIX, resolve_path
@@ -136,11 +137,8 @@ def _check_messages(messages: Any, i: int, column: str) -> list[dict]:
         raise DataError(f"row {i}: column '{column}' is an empty message list")
     out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"row {i}: column '{column}' message {j} must be a mapping with 'role' and 'content'")
-        if not isinstance(m["content"], str):
-            raise DataError(f"row {i}: column '{column}' message {j} content must be a string")
-        out.append({"role": str(m["role"]), "content": m["content"]})
+        check_message(m, i, column, j)
+        out.append({"role": m["role"], "content": m["content"]})
     return out
 
 
@@ -214,7 +212,13 @@ def normalize_pair(row: Any, i: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def encode_response(response: str | list[dict], tokenizer) -> list[int]:
+def response_chars(response: str | list[dict]) -> int:
+    """The characters a response is tokenized from (:func:`encode_response`; several messages: their contents, which
+    the chat template wraps)."""
+    return len(response) if isinstance(response, str) else sum(len(m["content"]) for m in response)
+
+
+def encode_response(response: str | list[dict], tokenizer, i: int = 0, column: str = "chosen") -> list[int]:
     """The response's token ids followed by one EOS (the shape of a finished sampled completion).
 
     A single assistant message contributes its content; several messages (a multi-turn continuation) are rendered
@@ -225,7 +229,7 @@ def encode_response(response: str | list[dict], tokenizer) -> list[int]:
     elif len(response) == 1:
         ids = tokenizer(response[0]["content"], add_special_tokens=False)["input_ids"]
     else:
-        text = tokenizer.apply_chat_template(response, tokenize=False)
+        text = render_chat(tokenizer, response, i, column)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         while ids and ids[-1] != eos and tokenizer.decode(ids[-1:]).strip() == "":
             ids = ids[:-1]  # a template's trailing newline after its end-of-turn token
@@ -234,9 +238,22 @@ def encode_response(response: str | list[dict], tokenizer) -> list[int]:
     return ids
 
 
+def pair_too_long_by_chars(pair: dict, tokenizer, system_prompt: str | None, max_length: int, i: int) -> str | None:
+    """Whether the prompt with the longer response of a normalised pair has more than ``max_length`` tokens for
+    certain, by its length in characters (:func:`lorarl.data.prompts.too_long_by_chars`), before either is
+    tokenized; None when it may fit."""
+    prompt = pair["prompt"]
+    longer = max(response_chars(pair["chosen"]), response_chars(pair["rejected"]))
+    raw = longer + (0 if prompt is None else response_chars(prompt)) + len(system_prompt or "")
+    if too_long_by_chars(raw, max_length, tokenizer) is None:
+        return None  # may fit: the tokens decide (the prompt is not templated twice for nothing)
+    text = "" if prompt is None else prompt_text(prompt, tokenizer, system_prompt, i)
+    return too_long_by_chars(len(text) + longer, max_length, tokenizer)
+
+
 def encode_pair(pair: dict, tokenizer, system_prompt: str | None = None, i: int = 0) -> tuple[list[int], list[int]]:
     """``(chosen_ids, rejected_ids)``: prompt tokens (rendered as the rollout renders prompts) + response + EOS."""
-    from lorarl.data.prompts import encode_prompt, prompt_text
+    from lorarl.data.prompts import encode_prompt
 
     prompt = pair["prompt"]
     if prompt is None:
@@ -244,7 +261,8 @@ def encode_pair(pair: dict, tokenizer, system_prompt: str | None = None, i: int 
     else:
         text = prompt_text(prompt, tokenizer, system_prompt, i)
         prefix = encode_prompt(text, tokenizer, templated=not isinstance(prompt, str))
-    return prefix + encode_response(pair["chosen"], tokenizer), prefix + encode_response(pair["rejected"], tokenizer)
+    chosen, rejected = (encode_response(pair[c], tokenizer, i, c) for c in ("chosen", "rejected"))
+    return prefix + chosen, prefix + rejected
 
 
 def shape_pair(row: Any, data: DataConfig | None, i: int) -> Any:
@@ -295,6 +313,14 @@ def load_preferences(
             break
         try:
             pair = normalize_pair(shape_pair(row, data, i), i)
+            why = (
+                tokenizer is not None
+                and max_length
+                and pair_too_long_by_chars(pair, tokenizer, system_prompt, max_length, i)
+            )
+            if why:
+                out.skipped.append((i, f"row {i}: longer than reward_model.max_length={max_length} tokens: it {why}"))
+                continue
             if tokenizer is not None:
                 c, r = encode_pair(pair, tokenizer, system_prompt, i)
         except DataError as e:

@@ -148,8 +148,10 @@ def export(
     src = locate(run, checkpoint)
     if fmt == "gguf":
         from lorarl.export.gguf import check_architecture, converter_dir, write_gguf
+        from lorarl.export.ollama import check_system_prompt
 
         check_architecture(src.base_path)
+        check_system_prompt(src)
         converter_dir()  # fetched (once) before the slow merge
     out = Path(out).expanduser()
     check_out(out, force, [src.run_dir, src.adapter_dir])

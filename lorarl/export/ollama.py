@@ -11,10 +11,12 @@ as a Go template. When none does, the Modelfile has no TEMPLATE and Ollama uses 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorarl.errors import LorarlError, quote
 from lorarl.export.source import RunSource
 
 ROLES = ("system", "user", "assistant")
@@ -117,9 +119,47 @@ def detect_chat_format(tok: Any) -> ChatFormat | None:
     return None
 
 
-def _quote(text: str) -> str:
-    """A Modelfile value in triple quotes (the text never holds three quotes in a row)."""
-    return '"""' + text.replace('"""', '" " "') + '"""'
+# Ollama's Modelfile parser (ollama/ollama parser/parser.go, ParseFile) has no escapes. A value ends at the first line
+# break (\r or \n) where what it has read so far, stripped of white space, is a whole quoted value (for triple quotes:
+# ends with three quotes); it drops every character Go's strconv.IsPrint rejects before it looks. So three quotes at
+# the end of a line (then only spaces, tabs or dropped characters) end a triple-quoted value, and the lines after it
+# are read as commands. The check is conservative: every character outside printable ASCII counts as dropped.
+_MAY_BE_DROPPED = re.compile(r"[^\x20-\x7e\t\r\n]")
+_ENDS_A_VALUE = re.compile(r'"""[ \t]*[\r\n]')
+
+
+def _quote(text: str, what: str) -> str:
+    """``text`` as a Modelfile value in triple quotes, exactly as Ollama's parser will read it back; a text that would
+    end the value early (and turn the rest into commands: ``ADAPTER``, ``PARAMETER``, ...) is refused, naming
+    ``what`` (the parser has no escapes, and changing the text would change what the model was trained with)."""
+    seen = _MAY_BE_DROPPED.sub("", text)
+    hit = _ENDS_A_VALUE.search(seen)
+    if hit:
+        snippet = seen[max(0, hit.start() - 20) : hit.end() + 20]
+        raise LorarlError(
+            f"{what}: three quotes at the end of a line ({quote(snippet)}) would end its value in the Ollama "
+            "Modelfile, whose parser has no escapes, and the lines after it would be read as Modelfile commands; "
+            "rephrase it (e.g. without the three quotes), or export --format merged"
+        )
+    return '"""' + text + '"""'
+
+
+def _quote_stop(text: str) -> str:
+    """A stop string: in plain quotes when it holds no quote (nothing can then end the value early), else as
+    :func:`_quote`."""
+    return f'"{text}"' if '"' not in text else _quote(text, f"stop token {quote(text)}")
+
+
+def dropped_by_ollama(text: str) -> int:
+    """How many characters of ``text`` Ollama's parser drops from a Modelfile value (not printable to Go's
+    strconv.IsPrint, the same classes as Python's ``str.isprintable``; tabs and line breaks are kept)."""
+    return sum(1 for c in text if not c.isprintable() and c not in "\t\r\n")
+
+
+def check_system_prompt(src: RunSource) -> None:
+    """Refuse, before the slow merge and conversion, a recipe system prompt the Modelfile cannot quote."""
+    if src.recipe is not None and src.recipe.data.system_prompt:
+        _quote(src.recipe.data.system_prompt, "data.system_prompt")
 
 
 def _stops(tok: Any, folder: Path) -> list[str]:
@@ -155,16 +195,18 @@ def modelfile_text(
         f"FROM ./{gguf_file}",
     ]
     system = recipe.data.system_prompt if recipe is not None and recipe.data.system_prompt else None
+    what = "data.system_prompt"
     if tool_template is not None:
         lines += [
             f"# chat template: {fmt.name} with lorarl's system-prompt tool convention (tool calls, tool messages)"
         ]
         lines += ["# checked against the tokenizer's own rendering of a tool conversation", ""]
-        lines.append(f"TEMPLATE {_quote(tool_template)}")
+        lines.append(f"TEMPLATE {_quote(tool_template, 'the tool chat template')}")
         system = use.system_message  # the exact system message the run trained with: its text, then the tools
+        what = "the system message with the tools (data.system_prompt, then the tools' descriptions)"
     elif fmt is not None:
         lines += [f"# chat template: {fmt.name}, checked against the tokenizer's own template", ""]
-        lines.append(f"TEMPLATE {_quote(fmt.go_template())}")
+        lines.append(f"TEMPLATE {_quote(fmt.go_template(), 'the chat template (from the tokenizer)')}")
         system = system or fmt.default_system
         if use is not None:
             notes.append(f"Modelfile: no tool template ({why})")
@@ -174,9 +216,14 @@ def modelfile_text(
             "the GGUF's own tokenizer.chat_template (check `ollama show --template NAME`)"
         )
     if system:
-        lines.append(f"SYSTEM {_quote(system)}")
+        lines.append(f"SYSTEM {_quote(system, what)}")
+        if dropped_by_ollama(system):
+            notes.append(
+                f"Modelfile: Ollama's parser drops the {dropped_by_ollama(system)} non-printable character(s) of "
+                f"{what} (zero-width, control or non-ASCII space characters) that the model trained with"
+            )
     lines.append("")
-    lines += [f'PARAMETER stop "{s}"' for s in stops]
+    lines += [f"PARAMETER stop {_quote_stop(s)}" for s in stops]
     if recipe is not None:
         g = recipe.generation
         lines += [

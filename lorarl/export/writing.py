@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lorarl.errors import LorarlError
+from lorarl.runs import check_output_folder
 
 
 def is_within(child: Path, parent: Path) -> bool:
@@ -31,7 +32,9 @@ def _is_empty_dir(path: Path) -> bool:
 
 def check_out(out: Path, force: bool, protected: list[Path | None]) -> None:
     """Refuse an ``out`` that holds any of ``protected`` (the run, the adapter), or that exists, is not an empty
-    folder and ``force`` is not given. Called before the (slow) export starts."""
+    folder and ``force`` is not given, or one lorarl cannot write (:func:`lorarl.runs.check_output_folder`). Called
+    before the (slow) export starts."""
+    check_output_folder(out, "--out")
     for folder in filter(None, protected):
         if is_within(folder, out):
             raise LorarlError(f"{out}: refusing to export over the run itself ({folder} is inside it)")

@@ -141,7 +141,7 @@ def self_check_error(got: Tensor, want: Tensor) -> float:
 
 def self_check(base: torch.nn.Module, tolerance: float = 2e-2) -> str | None:
     """Run the kernel once on one of the model's own NF4 layers, on its device, for 1 and 16 rows, against
-    :func:`~lorarl.kernels.nf4_matmul.reference_matmul` (bitsandbytes' dequantize + matmul); a reason (and the
+    :func:`~lorarl.kernels.nf4_matmul.reference_matmul` (NF4 dequantized in plain torch + matmul); a reason (and the
     engine's fallback to PEFT's forward) when it raises or differs by more than ``tolerance`` on the output's scale
     (:func:`self_check_error`; the CPU tests measure agreement to the output's last bit, so 2e-2 only catches a broken
     build or device, never rounding). Done once per device and layer shape, before any sampling: the kernel has not

@@ -39,8 +39,9 @@ dequantizes a ``[BLOCK_N, BLOCK_K]`` tile to the input dtype (as ``dequantize_4b
 rounding of the weight is done by hand on the bits on every device (the interpreter truncates). These tile sizes are **unmeasured** guesses for an H100 (no GPU was lent while this
 was written); ``python -m lorarl.bench.rollout`` measures the kernel's decode step against the weight-streaming bound.
 
-Its reference, :func:`reference_matmul`, is bitsandbytes' ``dequantize_4bit`` then a matmul; tests run the kernel
-under ``TRITON_INTERPRET=1`` on the CPU against it.
+Its reference, :func:`reference_matmul`, is the NF4 dequantize in plain torch
+(:func:`lorarl.model.nf4_dequant.dequantize_nf4`, bitsandbytes' values on every CPU) then a matmul; tests run the
+kernel under ``TRITON_INTERPRET=1`` on the CPU against it.
 """
 
 from __future__ import annotations
@@ -102,11 +103,13 @@ class NF4Weight:
     @classmethod
     def from_bnb(cls, packed: Tensor, quant_state) -> NF4Weight:
         """From a bitsandbytes ``Params4bit`` (or ``quantize_4bit``'s packed tensor) and its ``QuantState``.
-        Raises ValueError for what the kernel does not read: FP4, a 3-D shape, a second-level blocksize other
-        than 256, storage other than uint8."""
+        Raises ValueError for what the kernel does not read: FP4, bitsandbytes' CPU inference repacking, a 3-D
+        shape, a second-level blocksize other than 256, storage other than uint8."""
         qs = quant_state
         if qs.quant_type != "nf4":
             raise ValueError(f"quant_type {qs.quant_type!r} (the kernel reads nf4)")
+        if getattr(qs, "packing_format_for_cpu", False):
+            raise ValueError("a weight repacked for bitsandbytes' CPU inference kernel (the kernel reads it flat)")
         if len(qs.shape) != 2:
             raise ValueError(f"weight shape {tuple(qs.shape)} (the kernel reads 2-D [out, in])")
         if packed.dtype != torch.uint8:
@@ -132,12 +135,14 @@ class NF4Weight:
 
 
 def reference_matmul(x: Tensor, packed: Tensor, quant_state) -> Tensor:
-    """The slow, obvious version: ``x @ dequantize_4bit(W)^T`` with bitsandbytes' own dequantization, the weight in
-    ``x``'s dtype (as bitsandbytes' dequantize + ``F.linear`` fallback has it), products summed in fp32, the result
-    rounded to ``x``'s dtype. ``x [..., K]`` -> ``[..., N]``."""
-    import bitsandbytes.functional as bnbf
+    """The slow, obvious version: ``x @ W^T`` with ``W`` dequantized in plain torch
+    (:func:`lorarl.model.nf4_dequant.dequantize_nf4`: the values bitsandbytes' ``dequantize_4bit`` gives where it is
+    right, which on CPUs with AVX-512 it is not for every shape), the weight in ``x``'s dtype (as bitsandbytes'
+    dequantize + ``F.linear`` fallback has it), products summed in fp32, the result rounded to ``x``'s dtype.
+    ``x [..., K]`` -> ``[..., N]``."""
+    from lorarl.model.nf4_dequant import dequantize_nf4
 
-    w = bnbf.dequantize_4bit(packed, quant_state).to(x.dtype)
+    w = dequantize_nf4(packed, quant_state).to(x.dtype)
     return (x.float() @ w.float().T).to(x.dtype)
 
 

@@ -3,7 +3,7 @@
 A pipeline recipe (``lorarl pipeline RECIPE --out DIR``) is a YAML mapping::
 
     defaults:          # sections every stage starts from (only those its algorithm reads are taken)
-      recipe: grpo_sub.yaml          # optional: a recipe file's sections (relative to this file), under the rest
+      recipe: grpo_sub.yaml          # optional: a recipe's sections (file beside this one, or shipped name)
       model: {name: smollm2-135m}
       data: {source: arithmetic, arithmetic: {operations: ["-"]}}
     evaluation:        # held-out greedy evaluation after every stage, ONE recipe for every row
@@ -16,7 +16,7 @@ A pipeline recipe (``lorarl pipeline RECIPE --out DIR``) is a YAML mapping::
         algo: sft                  # inline sections on top of `defaults` ...
         train: {steps: 60}
       - name: rl
-        recipe: grpo_sub.yaml      # ... or a recipe file (relative to this file), inline sections on top of it
+        recipe: grpo_sub.yaml      # ... or a recipe (relative file or shipped name), inline sections on top
         overrides: [train.steps=20]
 
 **Wiring** (a stage's own setting -- in its recipe file, inline, or an override -- always wins):
@@ -43,6 +43,7 @@ import yaml
 
 from lorarl.config import Recipe, apply_overrides, recipe_from_dict, yaml_load
 from lorarl.config.algorithms import ALGO_SECTIONS, USES
+from lorarl.config.shipped import resolve_recipe, shipped_recipe
 from lorarl.errors import LorarlError, RecipeError
 
 POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo", "rloo")
@@ -129,6 +130,16 @@ def read_yaml(path: Path, what: str) -> dict:
     return data
 
 
+def recipe_beside(file: Any, where: Path) -> Path:
+    """A recipe a pipeline names (``defaults.recipe``, a stage's ``recipe``, ``evaluation.recipe``): the file at that
+    path relative to the pipeline file, else the shipped recipe of that name
+    (:func:`lorarl.config.shipped.shipped_recipe`); the missing path beside the pipeline when neither (read_yaml
+    names it)."""
+    beside = (where.parent / str(file)).resolve()
+    found = None if beside.is_file() else shipped_recipe(str(file))
+    return beside if found is None else found.resolve()
+
+
 def read_defaults(value: Any, where: Path) -> dict:
     """The ``defaults`` mapping, with the sections of the recipe file it names (``recipe:``) under its own."""
     if value is None:
@@ -139,7 +150,7 @@ def read_defaults(value: Any, where: Path) -> dict:
     file = value.pop("recipe", None)
     if file is None:
         return value
-    return deep_merge(read_yaml((where.parent / str(file)).resolve(), f"{where}: defaults.recipe"), value)
+    return deep_merge(read_yaml(recipe_beside(file, where), f"{where}: defaults.recipe"), value)
 
 
 def defaults_for(defaults: dict, algo: str) -> dict:
@@ -167,7 +178,7 @@ def stage_mapping(entry: dict, i: int, where: Path, defaults: dict, overrides: l
     source = where
     own: dict = {}
     if entry.get("recipe") is not None:
-        source = (where.parent / str(entry["recipe"])).resolve()
+        source = recipe_beside(entry["recipe"], where)
         own = read_yaml(source, f"{where}: stages[{i}].recipe")
     inline = {k: v for k, v in entry.items() if k not in STAGE_KEYS}
     own = deep_merge(own, inline)
@@ -257,7 +268,7 @@ def evaluation_recipe(raw: dict, where: Path, stages: list[Stage], overrides: li
     if unknown:
         raise RecipeError(f"{where}: unknown key evaluation.{unknown[0]} (have: {', '.join(EVAL_KEYS)})")
     if ev.get("recipe"):
-        path = (where.parent / str(ev["recipe"])).resolve()
+        path = recipe_beside(ev["recipe"], where)
         mapping = read_yaml(path, f"{where}: evaluation.recipe")
         label = str(path)
     else:
@@ -300,7 +311,7 @@ def check_adapters(stages: list[Stage]) -> None:
 
 def load_pipeline(path: str | Path, out_dir: str | Path, overrides: list[str] | None = None) -> Pipeline:
     """Read, wire and validate a pipeline recipe for a run in ``out_dir`` (see the module docstring)."""
-    where = Path(path).resolve()
+    where = resolve_recipe(path).resolve()
     raw = read_yaml(where, "pipeline")
     if "stages" not in raw:
         raise RecipeError(f"{where}: a pipeline recipe needs `stages:` (a single recipe trains with `lorarl train`)")

@@ -12,11 +12,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from lorarl.core.messages import completion_text
+from lorarl.core.messages import completion_text, tag_blocks
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+# Every reading of a completion here is linear in its length (model output is hostile input): tags are found once
+# (lorarl.core.messages.tag_blocks), and the number regex has no two ways to match the same text.
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
-_FORMAT = re.compile(r"\s*<think>(.+?)</think>\s*<answer>(.+?)</answer>\s*", re.S)
+THINK, END_THINK, ANSWER, END_ANSWER = "<think>", "</think>", "<answer>", "</answer>"
 
 
 def parse_number(text: str) -> float | None:
@@ -33,7 +34,7 @@ def extract_answer(text: str) -> str | None:
 
     Examples: ``"3 + 4 = 7."`` -> ``"7"``; ``"<answer>12</answer> or 13"`` -> ``"12"``; ``"no idea"`` -> None.
     """
-    tags = _ANSWER_TAG.findall(text)
+    tags = tag_blocks(text, ANSWER, END_ANSWER)
     region = tags[-1] if tags else text
     numbers = _NUMBER.findall(region)
     if numbers:
@@ -68,8 +69,32 @@ _MV = None  # (math_verify module, extraction configs), imported on first use
 def answer_region(text: str) -> str:
     """Where a completion's final answer is looked for: the content of its last ``<answer>...</answer>`` (the R1
     format), else the whole text."""
-    tags = _ANSWER_TAG.findall(text)
+    tags = tag_blocks(text, ANSWER, END_ANSWER)
     return tags[-1] if tags else text
+
+
+def has_r1_format(text: str) -> bool:
+    """Is ``text`` exactly ``<think>A</think><answer>B</answer>`` with ``A`` and ``B`` not empty, white space allowed
+    around the whole and between the two parts (DeepSeek-R1's format; what ``re.fullmatch(r"\\s*<think>(.+?)</think>
+    \\s*<answer>(.+?)</answer>\\s*", text, re.S)`` accepts, ``A`` may hold ``</think>``), in one pass: the regex
+    backtracked over every ``</think>``, quadratic.
+
+    >>> has_r1_format("<think>7+8=15</think>\\n<answer>15</answer>"), has_r1_format("<answer>15</answer>")
+    (True, False)
+    """
+    core = text.strip()
+    if not (core.startswith(THINK) and core.endswith(END_ANSWER)):
+        return False
+    middle = core[len(THINK) : len(core) - len(END_ANSWER)]  # A </think> white space <answer> B
+    i = middle.find(END_THINK, 1)  # A holds at least one character
+    while i >= 0:
+        j = i + len(END_THINK)
+        while j < len(middle) and middle[j].isspace():  # runs after different </think> never overlap: one pass
+            j += 1
+        if middle.startswith(ANSWER, j) and j + len(ANSWER) < len(middle):  # B holds at least one character
+            return True
+        i = middle.find(END_THINK, j)
+    return False
 
 
 def math_equivalent(completion: Any, answer: Any, timeout_s: float | None = MATH_ITEM_TIMEOUT_S) -> bool | None:

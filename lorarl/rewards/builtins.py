@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lorarl.core.messages import completion_text
-from lorarl.rewards.answers import _FORMAT, MATH_ITEM_TIMEOUT_S, is_correct, math_equivalent
+from lorarl.rewards.answers import MATH_ITEM_TIMEOUT_S, has_r1_format, is_correct, math_equivalent
 
 RewardFn = Callable[..., list]
 
@@ -47,7 +47,7 @@ def math_match(
 def format_reward(prompts: list, completions: list, **kwargs) -> list[float]:
     """1.0 when the completion is exactly ``<think>...</think><answer>...</answer>`` (whitespace around allowed,
     both parts non-empty; DeepSeek-R1's format reward), else 0.0."""
-    return [1.0 if _FORMAT.fullmatch(completion_text(c)) else 0.0 for c in completions]
+    return [1.0 if has_r1_format(completion_text(c)) else 0.0 for c in completions]
 
 
 def partial_credit(
@@ -62,7 +62,7 @@ def partial_credit(
             out.append(None)
         elif is_correct(c, a):
             out.append(1.0)
-        elif _FORMAT.fullmatch(completion_text(c)):
+        elif has_r1_format(completion_text(c)):
             out.append(float(partial))
         else:
             out.append(0.0)

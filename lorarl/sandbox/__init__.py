@@ -68,9 +68,32 @@ process group) are killed with ``SIGKILL`` and the working directory is
 removed.  Zombie processes waiting to be reaped by the system's init are not
 counted as leftovers.
 
-Caveats: the asserts of one completion run in the same interpreter as the
-code (markers carry a random nonce, but code that inspects the harness could
-still forge them); in ``"uid"`` mode, file cleanup covers the usual
+Verdicts
+--------
+A stdin/stdout test is judged from outside (the runner compares what the
+code printed and its exit status).  Asserts are judged by a process the
+code cannot reach: the harness forks a worker that runs the code, and runs
+each test's statements itself, asking the worker for the code's names and
+for each operation on the code's objects (plain values cross by value: in
+``assert add(1, 2) == 3`` the worker calls ``add``, the judge compares the
+int it got).  The judge is non-dumpable, the worker has no capabilities,
+and the judge reads the nonce of its pass markers only after the fork, on a
+stdout the worker does not hold; so reading the harness's stack frames,
+writing to any file descriptor, ``os._exit(0)`` after a fake pass,
+``SystemExit(0)``, monkeypatching the harness, rewriting ``tests.json`` or
+killing the judge all score as failures (``tests/test_sandbox.py``).  What
+a test can do is limited by that: values of other types cross as handles
+(a proxy forwards calls, attributes, operators, iteration), a list, dict,
+set or bytearray passed to a call is copied back after it, a function the
+test passes (``key=lambda x: -x``) is called back, but ``isinstance(obj,
+int)`` on a proxy is False and an object of the code is compared by its own
+``__eq__`` (a class whose ``__eq__`` always returns True passes ``==``, as
+it would in one interpreter; tests that must rule it out compare
+``type(r) is int``).  See ``programs/harness.py``.
+
+Caveats: in ``"rlimits"`` mode (the code runs as the calling user) the code
+can reach the trainer's own pipes, so even the verdict is not safe there;
+in ``"uid"`` mode, file cleanup covers the usual
 world-writable directories only; memory is limited per process
 (``RLIMIT_AS``), so the worst case is about ``max_processes * memory_mb``;
 each stdin/stdout test is one process (about 0.05 s of overhead each here,
@@ -84,8 +107,8 @@ a run's processes, cleanup), :mod:`~lorarl.sandbox.runner` (mode selection,
 spawning, reading output with deadlines, :func:`run_python`),
 :mod:`~lorarl.sandbox.reward` (:func:`extract_code`, :func:`run_tests`, the
 reward), and the two programs that run inside the sandbox as standalone
-scripts, never imported: ``programs/harness.py`` (runs the code and the
-asserts) and ``programs/ns_init.py`` (the namespace init).
+scripts, never imported: ``programs/harness.py`` (runs the code; judges
+the asserts from a second process) and ``programs/ns_init.py`` (the namespace init).
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def _launch(
     Returns the process, the read end of the init's status pipe (``None`` without an init) and the start time.
     """
     env = _scrubbed_env(workdir)
-    nproc = limits.max_processes
+    nproc = limits.max_processes + (harness_mode == "asserts")  # the judge beside the code's process
     if mode not in _UID_DROP_MODES:  # the caller's own processes count too
         nproc += _count_own_processes()
     rlimits = _rlimits(limits, nproc)

@@ -30,6 +30,7 @@ FLAG_BITS = {
     "strictatime": 1 << 24,
 }
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_DUMPABLE = 4
 # The usual world-writable places, hidden under empty read-only tmpfs mounts.
 HIDDEN_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -136,6 +137,8 @@ def main(cfg: dict, libc: ctypes.CDLL) -> None:
     """Set up the file system, start the code, reap orphans until it ends and report its wait status."""
     status_fd = cfg["status_fd"]
     workdir = cfg["workdir"]
+    # Non-dumpable: in the "userns" mode the code runs as this process's uid, and could else open its /proc/1/fd.
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     files = read_files(workdir)
     failures = make_readonly(libc)
     hide_writable_dirs(libc, workdir)
@@ -144,6 +147,10 @@ def main(cfg: dict, libc: ctypes.CDLL) -> None:
     pid = os.fork()
     if pid == 0:
         exec_code(libc, cfg)
+    # The code's stdin / stdout (its verdict channel) are its own: nothing of the code's uid reaches them here.
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
     while True:
         try:
             done, status = os.waitpid(-1, 0)
