@@ -112,12 +112,20 @@ def test_yaml_recipe_through_train_plan_and_eval(peaky_model_dir, reward_file, t
 
 
 def test_python_api_with_a_callable_reward(peaky_model_dir, tmp_path):  # noqa: F811
-    """lorarl.train: a Python reward function with TRL's signature scores the step's completions; the logged
-    per-function mean is that function over them."""
+    """lorarl.train: a Python reward function with TRL's signature scores the step's completions through GRPO's
+    scorer, with TRL's arguments (trainer_state, log_metric); the logged per-function mean is that function over
+    them, and the logged advantages are their leave-one-out ones."""
     import lorarl
 
-    def count_chars(completions, **kwargs):
+    seen_steps = []
+
+    def chars(completions):
         return [float(len(c[-1]["content"] if isinstance(c, list) else c)) for c in completions]
+
+    def count_chars(completions, trainer_state, log_metric, **kwargs):
+        seen_steps.append(trainer_state.global_step)
+        log_metric("chars/calls", 1.0)
+        return chars(completions)
 
     run = lorarl.train(
         {
@@ -135,9 +143,10 @@ def test_python_api_with_a_callable_reward(peaky_model_dir, tmp_path):  # noqa: 
     )
     row = run.metrics[0]
     samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    by_hand = count_chars([s["completion"] for s in samples])
+    by_hand = chars([s["completion"] for s in samples])
     assert len(samples) == 8 and row["rewards/count_chars/mean"] == pytest.approx(sum(by_hand) / 8)
     assert row["kl"] is None  # kl.coef 0: the reference never ran
+    assert seen_steps == [0] and row["chars/calls"] == 1.0  # TRL's: step 1 scores before any step is done
     # the logged advantages are the leave-one-out ones of the logged rewards (2 groups of 4)
     r = torch.tensor(by_hand)
     loo = r - (r.reshape(2, 4).sum(1, keepdim=True) - r.reshape(2, 4)).reshape(8) / 3
