@@ -10,7 +10,7 @@
 * **the adapter is learning** (``health.learning_after``): after N steps that updated, the trained adapter must
   have moved (a fresh LoRA's B matrices start at 0); if not, a loud warning with the likely causes.
 * **no signal** (``health.no_signal_steps``): when most groups have zero reward spread N steps in a row, GRPO
-  learns nothing; a warning says what to change.
+  (and RLOO, whose leave-one-out advantages are then 0) learns nothing; a warning says what to change.
 * **reward hacking / length drift** (``health.alarm_window``, ``health.length_drift``): training reward rising
   while held-out accuracy falls over the last evaluations (``eval.every``), or completion length far from where
   it started.
@@ -225,8 +225,9 @@ class HealthMonitor:
             return None
         return (
             f"no signal: {frac:.0%} of the groups had zero reward spread for {self.no_signal_run} steps in a row, so "
-            "GRPO has nothing to learn from. Change: a larger grpo.group_size; a higher generation.temperature; an "
-            "easier task or an SFT cold start (lorarl pipeline); a partial-credit reward (partial_credit, format)"
+            "GRPO / RLOO have nothing to learn from. Change: a larger grpo.group_size (rloo.group_size); a higher "
+            "generation.temperature; an easier task or an SFT cold start (lorarl pipeline); a partial-credit reward "
+            "(partial_credit, format)"
         )
 
     def _drift(self, row: dict) -> str | None:

@@ -97,6 +97,19 @@ RUNS = {
             "logps/rejected",
         ],
     ),
+    "rloo": (
+        "grpo",
+        "RLOO",
+        "policy",
+        [
+            "reward",
+            "reward_std",
+            "frac_reward_zero_std",
+            "completions/mean_length",
+            "rewards/accuracy_reward/mean",
+            "kl",
+        ],
+    ),
     "sft": ("sft", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
     "sft_text": ("text", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
     "reward": ("dpo", "Reward", "reward", ["loss", "accuracy", "margin", "learning_rate"]),
@@ -132,7 +145,7 @@ def terse_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_trl_quickstart_runs_unchanged(name, tiny_model_dir, terse_model_dir, tmp_path, monkeypatch):
     data, suffix, adapter, metric_names = RUNS[name]
-    model = terse_model_dir if name == "grpo" else tiny_model_dir  # GRPO samples: replies end at once
+    model = terse_model_dir if name in ("grpo", "rloo") else tiny_model_dir  # GRPO / RLOO sample: replies end at once
     monkeypatch.setenv("QUICKSTART_MODEL", str(model))
     monkeypatch.setenv("QUICKSTART_DATA", str(_write(tmp_path / "data", DATASETS[data])))
     monkeypatch.setenv("LORARL_TRL_MAX_STEPS", "1")
@@ -146,7 +159,7 @@ def test_trl_quickstart_runs_unchanged(name, tiny_model_dir, terse_model_dir, tm
     assert not missing, f"metrics.jsonl lacks TRL's {missing}: {sorted(rows[0])}"
     values = {m: rows[0][m] for m in metric_names}
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values()), values
-    if name == "grpo":  # the terse model's empty replies all score 0: no group has a spread, so no update (loss None)
+    if name in ("grpo", "rloo"):  # the terse model's empty replies all score 0: no group has a spread, no update
         assert rows[0]["frac_reward_zero_std"] == 1.0 and "loss" in rows[0]
     trainer = scope["trainer"]
     assert trainer.state.log_history == rows and trainer.state.global_step == 1

@@ -32,17 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorarl.agents.step import make_step_rollout
-from lorarl.algos.base import (
-    batch_indices,
-    evaluate_policy,
-    load_train_prompts,
-    micro_batch_rows,
-    planned_micro_batch,
-    rollout_batch,
-    tail_mean,
-    trained_role,
-)
+from lorarl.algos.base import batch_indices, evaluate_policy
 from lorarl.algos.grpo_losses import POLICY_LOSSES, POLICY_METRICS, grpo_token_loss, policy_term  # noqa: F401
 from lorarl.algos.grpo_sampling import (
     dynamic_sampling_metrics,
@@ -51,6 +41,16 @@ from lorarl.algos.grpo_sampling import (
     round_prompts,
     select_scores,
 )
+from lorarl.algos.sampled_policy import (
+    POLICY,
+    load_policy_state,
+    policy_progress,
+    policy_state,
+    policy_summary,
+    sampled_metrics,
+    setup_sampled_policy,
+    update_policy,
+)
 from lorarl.algos.samples import completion_samples
 from lorarl.algos.tis import tis_engages, tis_metrics
 from lorarl.config import GRPOConfig, Recipe
@@ -58,17 +58,11 @@ from lorarl.core.advantages import group_advantages
 from lorarl.core.dynamic_sampling import GroupTally, informative_groups, take_groups
 from lorarl.core.losses import batch_totals, reduce_loss, tis_weights
 from lorarl.core.schedules import advance
-from lorarl.core.stats import nan_std
-from lorarl.health import base_precision, parity_due, parity_metrics, parity_tolerance
+from lorarl.health import base_precision, parity_due, parity_metrics
 from lorarl.metrics import PLOT_PANELS
 from lorarl.model import REFERENCE, SharedBase, completion_logprobs
-from lorarl.phases import phase
-from lorarl.rewards.source import SourceScores, reward_source
+from lorarl.rewards.source import SourceScores
 from lorarl.rollout import Rollout
-from lorarl.tasks import accuracy
-from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step_halving
-
-POLICY = "policy"
 
 
 @dataclass
@@ -79,30 +73,33 @@ class GRPOBatch:
     prompt_index: list[int]
 
 
-def setup_roles(shared: SharedBase, recipe: Recipe) -> bool:
+def setup_roles(shared: SharedBase, recipe: Recipe, kl=None, section: str = "grpo") -> bool:
     """Add the policy adapter, and a frozen ``reference`` adapter when the reference is not the bare base.
 
     The reference is the bare base (adapters disabled) unless RL starts from a trained adapter
     (``model.init_adapter``: the reference is that adapter, frozen) or iterative GRPO refreshes it
     (``grpo.ref_refresh_every``: the reference starts as a copy of the policy). It is only built when
-    ``kl_coef > 0`` (otherwise nothing reads it). Returns whether a reference adapter was added.
+    ``kl_coef > 0`` (otherwise nothing reads it). ``kl``: the KL section read (``coef``, ``ref_refresh_every``;
+    default ``recipe.grpo.kl``), named ``section.kl`` in messages (RLOO passes its own). Returns whether a reference
+    adapter was added.
     """
-    cfg = recipe.grpo
+    kl = kl if kl is not None else recipe.grpo.kl
     init = recipe.model.init_adapter
     if init:
         shared.add_adapter(POLICY, init_from=init, trainable=True)
     else:
         shared.add_adapter(POLICY, recipe.lora)
-    if cfg.kl.coef <= 0:
-        if cfg.kl.ref_refresh_every > 0:
+    if kl.coef <= 0:
+        if kl.ref_refresh_every > 0:
             print(
-                "grpo.kl.ref_refresh_every has no effect with grpo.kl.coef = 0 (no reference is used)", file=sys.stderr
+                f"{section}.kl.ref_refresh_every has no effect with {section}.kl.coef = 0 (no reference is used)",
+                file=sys.stderr,
             )
         return False
     if init:
         shared.add_adapter(REFERENCE, init_from=init, trainable=False)
         return True
-    if cfg.kl.ref_refresh_every > 0:
+    if kl.ref_refresh_every > 0:
         shared.add_adapter(REFERENCE, recipe.lora, trainable=False)
         shared.copy_adapter(POLICY, REFERENCE)
         return True
@@ -194,30 +191,17 @@ class GRPO:
 
     def __init__(self, recipe: Recipe, shared: SharedBase):
         self.recipe, self.shared = recipe, shared
-        cfg, tcfg = recipe.grpo, recipe.train
+        cfg = recipe.grpo
         has_ref_adapter = setup_roles(shared, recipe)
         self.has_ref_adapter = has_ref_adapter
         self.reference = REFERENCE if cfg.kl.coef > 0 else None  # None: the reference never runs
         self.roles = [POLICY] + ([REFERENCE] if has_ref_adapter else [])
         self.outputs = [POLICY]
-        self.planned_mbs = planned_micro_batch(recipe, shared.device.type)
-        self.prompts = load_train_prompts(recipe, shared.tokenizer)
-        self.rollout_fn = make_step_rollout(recipe, shared, self.prompts, rollout_batch(recipe, shared.device.type))
         self.agent_metrics: dict = {}  # turns, tool calls, ... of the last rollout (multi-turn only)
-        self.source = reward_source(
-            recipe, shared, micro_batch_rows(recipe.eval.batch_size, tcfg.prompts_per_step * cfg.group_size)
-        )
-        self.total_steps = self.last_step = tcfg.steps
-        self.policy = trained_role(shared, POLICY, tcfg, tcfg.steps)
-        self.optimizers = {POLICY: self.policy.optimizer}
-        self.schedulers = {POLICY: self.policy.scheduler}
-        self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
-        self.micro_batch_cap: int | None = None  # lowered for good after an out-of-memory halving
-        self.parity_tolerance = parity_tolerance(recipe, shared.device.type)
+        setup_sampled_policy(self, cfg.group_size)  # prompts, rollout, rewards, optimizer, guard
         self.precision = base_precision(recipe, shared.device.type)
         self.tis_active = cfg.tis.mode == "always"  # auto: switched on by the first parity check above tolerance
         self.drawn_rewards: list[torch.Tensor] = []  # dynamic sampling: the rewards of every round of the step
-        self.samples: list[dict] = []  # the last step's logged completions (lorarl.algos.samples)
 
     def batch(self, step: int) -> GRPOBatch:
         """1. A batch of prompts, derived from ``(seed, step)``."""
@@ -276,8 +260,6 @@ class GRPO:
 
     def step(self, batch: GRPOBatch) -> dict:
         """One GRPO step on ``batch``; returns its metrics."""
-        from tqdm.auto import tqdm
-
         shared, cfg, gen, tcfg = self.shared, self.recipe.grpo, self.recipe.generation, self.recipe.train
         G, step = cfg.group_size, batch.step
 
@@ -332,29 +314,8 @@ class GRPO:
         )
 
         # 6. num_iterations optimizer steps, each over micro-batches with gradient accumulation ---------------
-        mbs = micro_batch_rows(tcfg.micro_batch_size, max(len(rows), 1), self.planned_mbs)
-        update_stats: dict[str, float] = {}
-        # backward runs inside the policy role in train mode: activation checkpointing recomputes the forward
-        # there, and must see the same adapter and mode (dropout) as the forward did
-        with phase("training"), shared.role(POLICY, train=True):
-            for _ in range(cfg.num_iterations if len(rows) else 0):  # no rows: nothing to learn (all zero-std)
-                tis_seen.clear()  # one iteration's weights (the old and sampler log-probs are fixed across them)
-                # a CUDA out-of-memory in a micro-batch halves the micro-batch and redoes the step
-                result, mbs = optimizer_step_halving(
-                    self.policy.params,
-                    self.policy.optimizer,
-                    lambda size, rows=rows: (rows[s] for s in micro_batches(len(rows), size)),
-                    min(mbs, self.micro_batch_cap or mbs),
-                    loss_fn,
-                    max_grad_norm=tcfg.max_grad_norm,
-                    scaler=self.policy.scaler,
-                    on_halve=lambda a, b: tqdm.write(
-                        f"step {step}: out of memory at micro-batch {a}, retrying with {b}"
-                    ),
-                )
-                self.micro_batch_cap = mbs
-                self.guard.check(result, step)
-                update_stats = dict(result.stats, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr)
+        # (tis_seen: one iteration's weights; the old and sampler log-probs are fixed across iterations)
+        update_stats = update_policy(self, rows, loss_fn, cfg.num_iterations, step, before_each=tis_seen.clear)
 
         lr = self.policy.optimizer.param_groups[0]["lr"]  # what this step's updates used
         advance(self.policy.scheduler)  # the LR schedule advances once per RL step
@@ -367,32 +328,14 @@ class GRPO:
         self.samples = completion_samples(
             shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions, columns=scored.columns
         )
-        lengths = rollout.lengths.float()
-        valid = ~torch.isnan(scored.total)
         row = {
-            "reward": float(torch.nanmean(scored.total)) if valid.any() else float("nan"),
-            "reward_std": nan_std(scored.total),
+            **sampled_metrics(self, rollout, scored, len(rows), lr, update_stats),  # reward, accuracy, loss, ...
             "reward_std_group": float(adv.group_std.mean()),
-            **scored.means(),
-            "accuracy": accuracy(self.recipe, rollout.completions, self.prompts.columns(rollout.prompt_index)),
             "frac_reward_zero_std": float(adv.zero_std.float().mean()),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(rollout.truncated.float().mean()),
             "kl": update_stats.get("kl"),
             "clip_ratio/low_mean": update_stats.get("clip_frac_low"),
             "clip_ratio/high_mean": update_stats.get("clip_frac_high"),
             **{name: update_stats[k] for k, name in POLICY_METRICS.items() if k in update_stats},  # cispo, vespo
-            "approx_kl": update_stats.get("approx_kl"),
-            "entropy": update_stats.get("entropy"),
-            "loss": update_stats.get("loss"),
-            "grad_norm": update_stats.get("grad_norm"),
-            "learning_rate": lr,
-            "trained_rows": int(len(rows)),
-            "reward_failures": self.source.failures,
-            "reward_failed_values": self.source.failed_values,
-            "skipped_updates": self.guard.skipped,
-            **self.guard.loss_scale_metrics(),  # fp16 bases only
-            "tokens": float(lengths.sum()),
             **health,
             **self.agent_metrics,
             **tis_metrics(self.tis_active, tis_seen, update_stats),
@@ -404,36 +347,15 @@ class GRPO:
         return evaluate_policy(self)
 
     def progress(self, row: dict) -> dict:
-        acc = row.get("accuracy")
-        return {
-            "reward": f"{row['reward']:.3f}",
-            "acc": f"{acc:.2f}" if acc is not None else "-",
-            "len": f"{row['completions/mean_length']:.0f}",
-        }
+        return policy_progress(row)
 
     def state_dict(self) -> dict:
-        return {
-            "guard": self.guard.state_dict(),
-            "rewards": self.source.state_dict(),
-            "micro_batch_cap": self.micro_batch_cap,
-            "tis_active": self.tis_active,
-        }
+        return {**policy_state(self), "tis_active": self.tis_active}
 
     def load_state_dict(self, state: dict) -> None:
-        self.guard.load_state_dict(state["guard"])
-        self.source.load_state_dict(state["rewards"])
-        self.micro_batch_cap = state["micro_batch_cap"]
+        load_policy_state(self, state)
         self.tis_active = bool(state.get("tis_active", self.tis_active))  # checkpoints before TIS lack the key
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy adapter in PEFT format at ``run_dir/policy``; the summary's GRPO fields."""
-        self.shared.save_adapter(POLICY, run_dir / POLICY)
-        return {
-            "policy": str(run_dir / POLICY),
-            "reward_last10": tail_mean(history, "reward"),
-            "accuracy_last10": tail_mean(history, "accuracy"),
-            "skipped_updates": self.guard.skipped,
-            "reward_failures": self.source.failures,
-            "data_rows": len(self.prompts),
-            "data_skipped_rows": len(self.prompts.skipped),
-        }
+        return policy_summary(self, run_dir, history)

@@ -44,13 +44,14 @@ class Field:
     kind: FieldKind
 
 
-# The fields the Train tab shows, in order. grpo.group_size only for GRPO recipes; one weight per reward function
-# (REWARD_WEIGHT) where the reward section applies -- fields_for() gives one recipe's list.
+# The fields the Train tab shows, in order. grpo.group_size only for GRPO recipes (rloo.group_size for RLOO's); one
+# weight per reward function (REWARD_WEIGHT) where the reward section applies -- fields_for() gives one recipe's list.
 COMMON_FIELDS: list[Field] = [
     Field("model.name", "model", "text"),
     Field("train.steps", "steps", "int"),
     Field("train.learning_rate", "learning rate", "float"),
     Field("grpo.group_size", "group size (completions per prompt)", "int"),
+    Field("rloo.group_size", "group size (completions per prompt)", "int"),
     Field("generation.max_new_tokens", "max new tokens", "int"),
     Field(REWARD_WEIGHT, "reward weight", "float"),
     Field("eval.every", "evaluate every N steps", "int"),  # label completed per algorithm: eval_every_label
@@ -131,7 +132,7 @@ def _reward_functions(recipe) -> list[dict]:
 
 def fields_for(path: str | os.PathLike) -> list[Field]:
     """:data:`COMMON_FIELDS` for one recipe: sections its algorithm does not read are left out (a reward model has
-    no generation or reward section), group size only for GRPO, one weight field per reward function."""
+    no generation or reward section), group size only for GRPO and RLOO, one weight field per reward function."""
     recipe = load_recipe(path, strict=False)
     uses = set(USES[recipe.algo]) | {recipe.algo}
     out = []

@@ -1,5 +1,6 @@
 """Validate the memory planner (lorarl.plan) against measured peaks: one GRPO step and one PPO step per model (and,
-with ``--algos``, a reward-model step and an SFT step on rows of exactly ``--prompt-len + --max-new-tokens`` ids).
+with ``--algos``, a reward-model step and an SFT step on rows of exactly ``--prompt-len + --max-new-tokens`` ids, and
+an RLOO step planned as the planner plans an RLOO recipe, ``lorarl.plan.recipes.rloo_as_grpo``).
 
 For each model of ``--models`` (default: qwen2.5-0.5b, qwen2.5-1.5b, llama-3.1-8b, qwen2.5-7b, mistral-7b) a fresh
 worker process builds a **random-init** model with the published shape (``lorarl.plan.KNOWN_CONFIGS``; nothing is
@@ -114,7 +115,7 @@ def validation_recipe(args, algo: str, work: Path, vocab: int):
     from lorarl.bench.synthetic import HASHED_REWARD, write_id_prompts, write_id_rows
     from lorarl.config import recipe_from_dict
 
-    n = {"grpo": args.prompts, "ppo": args.ppo_prompts}.get(algo, args.supervised_rows)
+    n = {"grpo": args.prompts, "rloo": args.prompts, "ppo": args.ppo_prompts}.get(algo, args.supervised_rows)
     lora = {"r": args.lora_r, "alpha": 2.0 * args.lora_r, "target_modules": "all-linear"}
     reward = {"functions": [{"name": HASHED_REWARD}]}
     T = args.prompt_len + args.max_new_tokens
@@ -126,13 +127,13 @@ def validation_recipe(args, algo: str, work: Path, vocab: int):
             section["max_tokens_per_forward"] = args.max_tokens_per_forward
     else:
         data = write_id_prompts(work / f"{algo}-prompts.jsonl", n, args.prompt_len, vocab)
-    if algo == "grpo":
+    if algo in ("grpo", "rloo"):  # RLOO with the KL on: old and reference log-probs both scored
         section = {"group_size": args.group_size, "num_iterations": 1, "kl": {"coef": args.kl_coef}}
     elif algo == "ppo":
         section = {"epochs": 1, "minibatch_size": n, "kl": {"coef": 0.05}, "critic": {"lora": lora}}
         reward = {"source": "reward_model", "adapter": str(work / "reward")}
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    prompt_cap = args.prompt_len if algo in ("grpo", "ppo") else max(512, args.prompt_len)
+    prompt_cap = args.prompt_len if algo in ("grpo", "rloo", "ppo") else max(512, args.prompt_len)
     d = {
         "algo": algo,
         "model": {
@@ -210,9 +211,11 @@ def measure_algo(args, algo: str, d: dict, work: Path) -> tuple[dict, dict]:
         "step_peak": meter.step_peak,
         "allocated_before": meter.first_allocated,
         "seconds": round(seconds, 2),
-        "rows": {"grpo": args.prompts * args.group_size, "ppo": args.ppo_prompts}.get(
-            algo, args.supervised_rows * (2 if algo == "reward_model" else 1)
-        ),
+        "rows": {
+            "grpo": args.prompts * args.group_size,
+            "rloo": args.prompts * args.group_size,
+            "ppo": args.ppo_prompts,
+        }.get(algo, args.supervised_rows * (2 if algo == "reward_model" else 1)),
         "completion_len": metrics.get("completions/mean_length", args.max_new_tokens),
         "P": args.prompt_len,
     }
@@ -242,6 +245,10 @@ def plan_settings(args, algo: str, recipe):
         engine=recipe.generation.engine,
         cuda_graphs=recipe.generation.cuda_graphs,
     )
+    if algo == "rloo":  # the planner's own view of the recipe (lorarl.plan.recipes.rloo_as_grpo)
+        from lorarl.plan.recipes import recipe_settings
+
+        return recipe_settings(recipe, device_type=args.device)
     if algo == "grpo":
         return PlanSettings(
             algo="grpo", group_size=args.group_size, prompts_per_step=args.prompts, kl_coef=args.kl_coef, **common
@@ -401,7 +408,7 @@ def parse_args(argv=None):
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--kl-coef", type=float, default=0.04, help="GRPO: > 0 runs (and measures) the reference pass")
     p.add_argument("--steps", type=int, default=1, help="steps per algorithm; the last is measured")
-    p.add_argument("--algos", default="grpo,ppo", help="comma-separated: grpo, ppo, reward_model, sft")
+    p.add_argument("--algos", default="grpo,ppo", help="comma-separated: grpo, ppo, reward_model, sft, rloo")
     p.add_argument(
         "--supervised-rows", type=int, default=8, help="reward model: pairs per step; SFT: examples per step"
     )

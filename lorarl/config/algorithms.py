@@ -127,6 +127,52 @@ class GRPOConfig:
 
 
 @dataclass
+class RLOOKLConfig:
+    """RLOO's KL penalty, TRL 1.16's RLOOTrainer convention: folded into each sequence's reward, never a loss term."""
+
+    coef: float = 0.05  # TRL's beta (default 0.05, TRL's): reward - coef * sum_t (log pi_old - log pi_ref) over the
+    #   sequence (k1, summed; GRPO's grpo.kl.coef is a per-token k3 loss term instead); 0: the reference never runs
+    ref_refresh_every: int = 0  # copy the policy into a reference adapter every N steps (TRL's sync_ref_model, alpha 1)
+
+    def validate(self, where: str) -> None:
+        check(self.coef >= 0, where, "rloo.kl.coef", "must be >= 0")
+        check(self.ref_refresh_every >= 0, where, "rloo.kl.ref_refresh_every", "must be >= 0")
+
+
+@dataclass
+class RLOOConfig:
+    """RLOO (Ahmadian et al. 2024, REINFORCE leave-one-out) as TRL 1.16's RLOOTrainer: group_size completions per
+    prompt; each one's baseline is the mean reward of the other group_size - 1; one clipped ratio per sequence."""
+
+    group_size: int = 2  # completions per prompt (TRL's num_generations; its default 2)
+    num_iterations: int = 1  # policy updates per rollout batch; > 1 clips the sequence ratio pi / pi_old
+    clip_eps_low: float = 0.2  # TRL's epsilon: the sequence ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]
+    clip_eps_high: float | None = None  # TRL's epsilon_high; null: clip_eps_low
+    normalize_advantages: bool = False  # TRL's: (A - mean) / (std + 1e-4) over the step's advantages
+    reward_clip_range: list[float] | None = None  # TRL's: [min, max] each reward is clipped to before the KL penalty
+    mask_truncated: bool = False  # TRL's mask_truncated_completions: completions without EOS train nothing (their
+    #   reward still counts in their siblings' baselines)
+    kl: RLOOKLConfig = field(default_factory=RLOOKLConfig)  # the KL penalty in the reward
+
+    def __post_init__(self) -> None:
+        self.clip_eps_high = self.clip_eps_low if self.clip_eps_high is None else self.clip_eps_high
+
+    def validate(self, where: str) -> None:
+        check(self.group_size >= 2, where, "rloo.group_size", "must be >= 2 (the baseline is the other completions')")
+        check(self.num_iterations >= 1, where, "rloo.num_iterations", "must be >= 1")
+        check(self.clip_eps_low > 0, where, "rloo.clip_eps_low", "must be > 0")
+        check(self.clip_eps_high > 0, where, "rloo.clip_eps_high", "must be > 0")
+        clip = self.reward_clip_range
+        check(
+            clip is None or (len(clip) == 2 and clip[0] <= clip[1]),
+            where,
+            "rloo.reward_clip_range",
+            f"must be [min, max] with min <= max, got {clip}",
+        )
+        self.kl.validate(where)
+
+
+@dataclass
 class PPOKLConfig:
     """PPO's per-token KL penalty in the reward (Ziegler et al.; InstructGPT), fixed or adaptive."""
 
@@ -479,6 +525,7 @@ ALGO_SECTIONS: dict[str, type] = {
     "rejection_sampling": RejectionSamplingConfig,
     "dpo": DPOConfig,
     "online_dpo": OnlineDPOConfig,
+    "rloo": RLOOConfig,
 }
 SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
 USES = {
@@ -489,5 +536,6 @@ USES = {
     "rejection_sampling": SHARED_SECTIONS,
     "dpo": SHARED_SECTIONS,  # reward and generation: the held-out task evaluation (dpo.task_source)
     "online_dpo": SHARED_SECTIONS,  # prompts, the reward that ranks the samples, sampling
+    "rloo": SHARED_SECTIONS,  # single-turn, as TRL's RLOOTrainer (no tools)
 }
-TRAINS_ON_SAMPLES = ("grpo", "ppo")
+TRAINS_ON_SAMPLES = ("grpo", "ppo", "rloo")

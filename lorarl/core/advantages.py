@@ -21,6 +21,7 @@ from lorarl.core.losses import kl_k1, kl_k2, kl_k3
 
 __all__ = [
     "StdScaling",
+    "check_groups",
     "GroupAdvantages",
     "group_advantages",
     "gae",
@@ -42,6 +43,19 @@ def _bool(mask: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # GRPO
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def check_groups(rewards: Tensor, group_size: int) -> int:
+    """``N``, the number of ``rewards`` laid out in groups of ``group_size`` (GRPO's and RLOO's layout); raises
+    ``ValueError`` if ``rewards`` is not 1-D, ``group_size`` is not an int >= 2 or ``N % group_size != 0``."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}")
+    n = rewards.shape[0]
+    if n % group_size != 0:
+        raise ValueError(f"number of rewards ({n}) is not a multiple of group_size ({group_size})")
+    return n
 
 
 class GroupAdvantages(NamedTuple):
@@ -92,13 +106,7 @@ def group_advantages(
     Raises ``ValueError`` if ``rewards`` is not 1-D, ``group_size < 2``, ``N % group_size != 0`` or
     ``std_scaling`` is unknown.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}")
-    n = rewards.shape[0]
-    if n % group_size != 0:
-        raise ValueError(f"number of rewards ({n}) is not a multiple of group_size ({group_size})")
+    n = check_groups(rewards, group_size)
     if std_scaling not in _STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {_STD_SCALINGS}, got {std_scaling!r}")
 

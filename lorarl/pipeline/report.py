@@ -88,7 +88,7 @@ def stage_notes(algo: str, summary: dict) -> str:
         )
     if algo == "reward_model":
         return f"held-out pairwise accuracy {percent(summary.get('pairwise_accuracy'))}"
-    if algo in ("grpo", "ppo"):
+    if algo in ("grpo", "ppo", "rloo"):
         return f"{summary.get('steps')} steps, train reward (last 10) {number(summary.get('reward_last10', summary.get('reward_mean_last10')))}"
     return ""
 

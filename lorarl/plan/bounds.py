@@ -61,7 +61,7 @@ def driving_keys(recipe, settings: dict[str, Any], term: str) -> str:
     )
     if term in ROLLOUT_TERMS:
         rows = f"train.prompts_per_step ({recipe.train.prompts_per_step})"
-        if recipe.algo in ("grpo", "online_dpo"):
+        if recipe.algo in ("grpo", "online_dpo", "rloo"):
             rows += f" x {recipe.algo}.group_size ({settings['group_size']})"
         return f"{settings['rows']} completions [{rows}] x [{tokens}] tokens"
     if term in TRAINING_TERMS:

@@ -21,8 +21,8 @@ ARITHMETIC_PROMPT_TOKENS = 96  # a chat-templated arithmetic question with a sys
 CPU_DEFAULT_MICRO_BATCH = 8
 
 
-# recipes whose step the planner models: its own steps, and online DPO as a GRPO step of its samples per prompt
-PLANNED_RECIPES = (*PLANNED_ALGOS, "online_dpo")
+# recipes whose step the planner models: its own steps, and online DPO and RLOO as GRPO steps of their samples
+PLANNED_RECIPES = (*PLANNED_ALGOS, "online_dpo", "rloo")
 
 
 def recipe_settings(
@@ -148,12 +148,14 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
     # (rejection sampling, generation only, is planned as a GRPO step of its shape: an upper bound; online DPO as a
     # GRPO step of online_dpo.group_size samples per prompt with the reference pass: sampling, scoring, a reference
     # forward and the policy's forward / backward over the same rows; an upper bound past 2 samples, where only the
-    # best and the worst of each prompt are trained on)
+    # best and the worst of each prompt are trained on; RLOO as the GRPO step of its memory, rloo_as_grpo)
     algo = recipe.algo if recipe.algo in PLANNED_ALGOS else "grpo"
     g = recipe.generation
     grpo = recipe.grpo if recipe.grpo is not None else GRPOConfig()
     if recipe.algo == "online_dpo":
         grpo = GRPOConfig(group_size=recipe.online_dpo.group_size, kl=GRPOKLConfig(coef=recipe.online_dpo.beta))
+    if recipe.algo == "rloo":
+        grpo = rloo_as_grpo(recipe.rloo)
     ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
     if algo == "dpo":
         return dpo_settings(recipe, device_type, quant, dtype_bytes)
@@ -189,6 +191,20 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
         eval_batch_size=min(recipe.eval.batch_size, recipe.eval.n) if recipe.eval.every > 0 else 0,
         eval_max_new_tokens=recipe.eval.max_new_tokens,
         **judge_settings(recipe, prompt_len, grpo.group_size if algo == "grpo" else 1),
+    )
+
+
+def rloo_as_grpo(rloo) -> GRPOConfig:
+    """An RLOO step as the planner's GRPO step of the same memory: ``group_size`` samples per prompt, the reference
+    pass when ``kl.coef > 0``, the policy's no-grad scoring pass when it records old log-probs (``num_iterations >
+    1``, or the KL penalty on: its log-ratio is the sampling policy's, GRPO's ``num_iterations > 1`` term), a
+    reference adapter for ``kl.ref_refresh_every``; no entropy bonus. The training forward / backward is GRPO's
+    over the same rows (RLOO's loss is per sequence: the same log-probs, another reduction)."""
+    records_old = rloo.num_iterations > 1 or rloo.kl.coef > 0
+    return GRPOConfig(
+        group_size=rloo.group_size,
+        num_iterations=max(rloo.num_iterations, 2 if records_old else 1),
+        kl=GRPOKLConfig(coef=rloo.kl.coef, ref_refresh_every=rloo.kl.ref_refresh_every),
     )
 
 

@@ -1,4 +1,4 @@
-"""TRL 1.16's ``GRPOTrainer`` / ``DPOTrainer`` / ``SFTTrainer`` / ``RewardTrainer`` as thin adapters: TRL's config
+"""TRL 1.16's ``GRPOTrainer`` / ``RLOOTrainer`` / ``DPOTrainer`` / ``SFTTrainer`` / ``RewardTrainer`` as thin adapters: TRL's config
 (every field through :data:`lorarl.trl.fields.TABLE`) and ``peft.LoraConfig`` in, a lorarl recipe dict out, then
 :func:`lorarl.train` underneath. One base is loaded once: ``model`` is a name or folder; a second model TRL would
 load (``ref_model``, a reward model) is the base with adapters off or a reward adapter on the same base.
@@ -371,7 +371,9 @@ class GRPOTrainer(_Trainer):
             rollout_func=rollout_func,
         )
         if reward_funcs is None:
-            raise LorarlError("reward_funcs: GRPOTrainer needs at least one (a callable with TRL's signature)")
+            raise LorarlError(
+                f"reward_funcs: {type(self).__name__} needs at least one (a callable with TRL's signature)"
+            )
         self.tools, self.environment_factory = tools, environment_factory
         self.reward_funcs, self._adapter = self._split_rewards(reward_funcs)
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config)
@@ -428,12 +430,49 @@ class GRPOTrainer(_Trainer):
             if weights is not None:
                 if self._adapter:  # TRL orders the weights as reward_funcs; the adapter's is reward.model_weight
                     refuse(
-                        "GRPOConfig.reward_weights",
+                        f"{self.config_name}.reward_weights",
                         weights,
                         "with a reward adapter use the recipe key reward.model_weight",
                     )
                 kw["reward_weights"] = weights
         return kw
+
+
+class RLOOTrainer(GRPOTrainer):
+    """TRL's ``RLOOTrainer`` (1.16's signature) on lorarl: ``algo: rloo`` (:mod:`lorarl.algos.rloo`), the reward
+    functions taken as :class:`GRPOTrainer` takes them (TRL's RLOOTrainer has no tools)."""
+
+    config_name, algo, suffix = "RLOOConfig", "rloo", "RLOO"
+
+    def __init__(
+        # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
+        # order, so each trainer writes its signature out rather than sharing one
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ):
+        super().__init__(
+            model,
+            reward_funcs,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+        )
 
 
 class DPOTrainer(_Trainer):
