@@ -131,6 +131,22 @@ def test_group_advantages_rejects_bad_sizes(n, group_size):
         group_advantages(torch.zeros(n), group_size=group_size)
 
 
+def test_group_advantages_finite_rewards_past_float32_squares():
+    """Rewards of 1e20 are finite in float32 but their squared deviations (1e40) are not: the group std came out inf
+    and every advantage of the group 0 (the run trained on nothing, silently). Hand-computed: group [1e20, 0, 1e20, 0]
+    has mean 5e19 and population std 5e19, so advantages [1, -1, 1, -1]; the other group is untouched."""
+    r = torch.tensor([1e20, 0.0, 1e20, 0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float32)
+    out = group_advantages(r, 4, eps=0.0)
+    assert out.advantages.dtype == torch.float32
+    s = math.sqrt(1.25)  # population std of [1, 2, 3, 4]
+    expected = [1.0, -1.0, 1.0, -1.0, -1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s]
+    assert torch.allclose(out.advantages, torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(out.group_std, torch.tensor([5e19, s]), rtol=1e-6)
+    # batch scaling: batch mean 2.5e19 + 1.25, batch std ~ 4.33e19: the first group's advantages are +-5e19 / std
+    batch = group_advantages(r, 4, std_scaling="batch", eps=0.0).advantages
+    assert torch.isfinite(batch).all() and batch[0] == pytest.approx(5e19 / math.sqrt(0.1875e40), rel=1e-5)
+
+
 def test_group_advantages_rejects_bad_scaling_and_shape():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(4), group_size=2, std_scaling="global")

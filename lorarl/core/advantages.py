@@ -139,6 +139,12 @@ def group_advantages(
     else:  # "none"
         scaled = centered
     keep = valid & ~zero_std[:, None]
+    finite = bool(torch.isfinite(std[count > 0]).all()) and bool(torch.isfinite(scaled[keep]).all())
+    if r.dtype != torch.float64 and not finite and bool(torch.isfinite(r[valid]).all()):
+        # finite rewards whose squares (or differences) overflow r's dtype (1e20 in float32): the same formula in
+        # float64, cast back (a normalised advantage is at most sqrt(G) in size); rewards in range never come here
+        wide = group_advantages(r.reshape(n).double(), group_size, std_scaling, eps, unbiased_std)
+        return GroupAdvantages(*(t.to(r.dtype) if t.is_floating_point() else t for t in wide))
     advantages = torch.where(keep, scaled, zero).reshape(n)
     return GroupAdvantages(advantages=advantages, group_mean=mean, group_std=std, zero_std=zero_std)
 
