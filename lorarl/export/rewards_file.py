@@ -85,8 +85,9 @@ def _read_module(name: str) -> _Module:
             mod.defs[node.name] = node
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Name):
-                    mod.defs[t.id] = node
+                for n in ast.walk(t):  # `A = ...` and `A, B = ...` alike
+                    if isinstance(n, ast.Name):
+                        mod.defs[n.id] = node
         elif isinstance(node, ast.Import):
             for a in node.names:
                 bound = a.asname or a.name.split(".")[0]

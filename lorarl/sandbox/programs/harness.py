@@ -469,7 +469,6 @@ def _passes(peer: _Peer, index: int, test, namespace: dict, fetched: dict) -> bo
 
 def _judge(code) -> None:
     import json
-    import signal
 
     with open("tests.json", encoding="utf-8") as f:
         tests = json.load(f)
@@ -490,11 +489,34 @@ def _judge(code) -> None:
     except _Broken:
         return
     finally:
-        try:
+        _end_worker(pid, wait=peer.broken)
+
+
+def _end_worker(pid: int, wait: bool) -> None:
+    """Kill and reap the worker. When its pipe broke (``wait``), it is given half a second to be reaped first (the
+    pipe closes before the exit status is there): a worker the CPU limit ended (SIGXCPU) ends the judge the same
+    way, so the runner reports ``cpu_limit`` as it does for a script."""
+    import signal
+    import time
+
+    status = None
+    try:
+        deadline = time.monotonic() + (0.5 if wait else 0.0)
+        while status is None and time.monotonic() < deadline:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = st
+            else:
+                time.sleep(0.005)
+        if status is None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-        except OSError:
-            pass
+    except OSError:
+        return
+    if status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
+        sys.stderr.flush()
+        signal.signal(signal.SIGXCPU, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGXCPU)
 
 
 def _main() -> None:
