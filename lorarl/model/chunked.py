@@ -14,6 +14,14 @@ from lorarl.core.distillation import generalized_jsd
 from lorarl.core.losses import entropy_from_logprobs
 
 
+def chunk_positions(rows: int, positions: int, chunk_size: int, chunk_tokens: int | None) -> int:
+    """Positions per chunk: ``chunk_size``, fewer when ``rows`` x that would pass ``chunk_tokens``
+    (:func:`~lorarl.core.chunking.logit_chunk_positions`; None: no token bound)."""
+    if chunk_tokens is None or rows == 0:
+        return chunk_size
+    return logit_chunk_positions(rows, positions, chunk_size, chunk_tokens)
+
+
 def chunked_token_logprobs(
     hidden: torch.Tensor,
     lm_head: nn.Module,
@@ -51,11 +59,7 @@ def chunked_token_logprobs(
         return lp, ent
 
     rows, positions = hidden.shape[0], hidden.shape[1]
-    step = (
-        chunk_size
-        if chunk_tokens is None or rows == 0
-        else logit_chunk_positions(rows, positions, chunk_size, chunk_tokens)
-    )
+    step = chunk_positions(rows, positions, chunk_size, chunk_tokens)
     outs_lp, outs_ent = [], []
     for s in range(0, positions, step):
         h, tgt = hidden[:, s : s + step], targets[:, s : s + step]
@@ -151,11 +155,7 @@ def chunked_divergence(
         return generalized_jsd(s_logits, t_logits, beta, temperature), ent
 
     rows, positions = student_hidden.shape[0], student_hidden.shape[1]
-    step = (
-        chunk_size
-        if chunk_tokens is None or rows == 0
-        else logit_chunk_positions(rows, positions, chunk_size, chunk_tokens)
-    )
+    step = chunk_positions(rows, positions, chunk_size, chunk_tokens)
     outs_div, outs_ent = [], []
     for s in range(0, positions, step):
         h_s, h_t = student_hidden[:, s : s + step], teacher_hidden[:, s : s + step].detach()

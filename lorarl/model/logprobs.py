@@ -121,12 +121,20 @@ def completion_logprobs(
         P = batch.prompt_ids.shape[1]
         return shared.token_logprobs(ids.to(dev), att.to(dev), P, temperature, with_entropy, entropy_grad)
     hidden = completion_hidden(shared, batch, share_prompts, path=path)
-    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
     if path == "packed":
-        mask = batch.completion_mask.to(dev)
-        lp = lp.masked_fill(~mask, 0.0)
-        ent = ent.masked_fill(~mask, 0.0) if ent is not None else None
-    return lp, ent
+        return masked_logprobs(shared, batch, hidden, temperature, with_entropy, entropy_grad)
+    return shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
+
+
+def masked_logprobs(
+    shared: SharedBase, batch: TokenBatch, hidden: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The completion log-probs (and entropies) of the packed path's ``hidden`` ``[B, T, H]``, 0 past each row's
+    completion mask (where the packed states belong to other positions)."""
+    dev = shared.device
+    mask = batch.completion_mask.to(dev)
+    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
+    return lp.masked_fill(~mask, 0.0), (ent.masked_fill(~mask, 0.0) if ent is not None else None)
 
 
 def forward_path(shared: SharedBase, batch: TokenBatch, share_prompts: bool = True) -> str:
@@ -294,9 +302,5 @@ def packed_completion_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`completion_logprobs` on the packed path (:func:`packed_completion_hidden`), whatever the role's mode.
     Positions past a row's completion mask get log-prob (and entropy) 0."""
-    dev = shared.device
     hidden = packed_completion_hidden(shared, batch, pack_tokens)
-    mask = batch.completion_mask.to(dev)
-    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
-    lp = lp.masked_fill(~mask, 0.0)
-    return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)
+    return masked_logprobs(shared, batch, hidden, temperature, with_entropy, entropy_grad)

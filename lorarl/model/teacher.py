@@ -141,8 +141,12 @@ def check_same_tokenizer(spec: str, shared: SharedBase, where: str) -> None:
 
     try:
         tok = load_tokenizer(resolve_model(spec), shared.cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise LorarlError(f"{where}: cannot load the tokenizer of {spec} ({e})") from None
+    except (OSError, ValueError, LorarlError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LorarlError(
+            f"{where}: {spec} is not a model folder or name, a merged export or a PEFT adapter folder that can be "
+            f"read here ({why})"
+        ) from None
     diff = tokenizer_difference(shared.tokenizer, tok)
     if diff is not None:
         raise LorarlError(

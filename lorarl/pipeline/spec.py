@@ -45,7 +45,7 @@ from lorarl.config import Recipe, apply_overrides, recipe_from_dict, yaml_load
 from lorarl.config.algorithms import ALGO_SECTIONS, USES
 from lorarl.errors import LorarlError, RecipeError
 
-POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo")
+POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo", "distill")
 STAGE_KEYS = ("name", "recipe", "overrides")
 TOP_KEYS = ("defaults", "evaluation", "stages")
 EVAL_KEYS = ("n", "base", "recipe", "overrides")

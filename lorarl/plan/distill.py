@@ -27,7 +27,7 @@ from __future__ import annotations
 from lorarl.errors import LorarlError
 from lorarl.plan.settings import Moments, PlanSettings, StepSizes, plan_settings
 from lorarl.plan.supervised import forward_backward_moments
-from lorarl.plan.terms import base_weight_bytes, dequantized_weight_bytes, layer_forward_bytes, loss_terms_bytes
+from lorarl.plan.terms import dequantized_weight_bytes, frozen_model_terms, layer_forward_bytes, loss_terms_bytes
 from lorarl.shapes import ModelShape, model_shape
 
 # bytes per [row, position, vocab] element of a divergence chunk's backward, beyond the two heads' outputs (2 dt):
@@ -58,6 +58,8 @@ def distill_settings(recipe, settings: PlanSettings) -> PlanSettings:
 
     spec = recipe.distill.teacher
     is_adapter = adapter_folder(spec) is not None
+    if not is_adapter:
+        model_teacher_shape(spec)  # one line now when its shape cannot be read
     return plan_settings(
         settings,
         algo="distill",
@@ -72,27 +74,27 @@ def distill_settings(recipe, settings: PlanSettings) -> PlanSettings:
     )
 
 
-def teacher_shape(shape: ModelShape, s: PlanSettings) -> ModelShape:
-    """The teacher's shape: its own for a model teacher (its ``config.json`` or a known name), else the base's."""
-    if s.teacher != "model" or not s.teacher_model:
-        return shape
+def model_teacher_shape(spec: str) -> ModelShape:
+    """A second-model teacher's shape (its ``config.json``, or a known name); one line naming ``distill.teacher``
+    when it cannot be read offline."""
     try:
-        return model_shape(s.teacher_model)
+        return model_shape(spec)
     except LorarlError as e:
         raise LorarlError(
-            f"plan: distill.teacher {s.teacher_model}: its shape cannot be read offline (a folder with a config.json, "
-            f"or a known name); train and export the teacher first ({e})"
+            f"distill.teacher {spec}: its shape cannot be read offline (a folder with a config.json, or a known "
+            f"name); train and export the teacher first ({e})"
         ) from None
+
+
+def teacher_shape(shape: ModelShape, s: PlanSettings) -> ModelShape:
+    """The teacher's shape: its own for a model teacher, else the base's."""
+    return model_teacher_shape(s.teacher_model) if s.teacher == "model" and s.teacher_model else shape
 
 
 def teacher_persistent_terms(shape: ModelShape, s: PlanSettings, n_policy: int, dtype_bytes: int) -> dict[str, float]:
     """What the teacher holds in every phase (module docstring); nothing without one."""
-    if s.teacher == "adapter":
-        return {"lora_teacher_frozen": 4 * n_policy}
-    if s.teacher == "model":
-        weights = base_weight_bytes(teacher_shape(shape, s), s.quantization, dtype_bytes, s.double_quant)
-        return {f"teacher_{k}": v for k, v in weights.items()}
-    return {}
+    teacher = teacher_shape(shape, s)
+    return frozen_model_terms("teacher", s.teacher, teacher, s.quantization, dtype_bytes, s.double_quant, n_policy)
 
 
 def distill_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:

@@ -719,6 +719,7 @@ DISTILL_OWN: dict[str, Map | Note | Refuse] = {
     ),
     "max_completion_length": Map("generation.max_new_tokens"),
     "ds3_gather_for_generation": Note(NO_EFFECT),
+    "shuffle_dataset": Refuse("lorarl draws the prompts of each step in a seeded random order (train.seed)"),
     "temperature": Map(
         "generation.temperature", "same convention: the student samples at it and both distributions are softened by it"
     ),
