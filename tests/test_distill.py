@@ -461,6 +461,12 @@ def test_plan_counts_the_teacher(tmp_path, capsys):
     assert training == sum(est["breakdown"]["persistent"].values()) + max(moments.values())
     jsd = _training_moments(student, recipe_settings(recipe("qwen2.5-7b", 0.5), device_type="cuda"))["logits"]
     assert jsd["divergence_chunk"] == 4 * 128 * vocab * 44
+    # model.quantization auto on a 24 GB card: the 0.5B student in bf16, the 7B teacher in NF4, as each loads
+    on_card = recipe_settings(recipe("qwen2.5-7b"), device_type="cuda", shape=student, budget_bytes=24e9)
+    assert (on_card.quantization, on_card.teacher_quantization) == ("none", "nf4")
+    card = estimate_memory(student, on_card)["breakdown"]["persistent"]
+    assert card["teacher_base_linear_weights"] == int(weights["base_linear_weights"])
+    assert card["base_linear_weights"] == int(base_weight_bytes(student, "none", 2, True)["base_linear_weights"])
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

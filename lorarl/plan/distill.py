@@ -50,16 +50,22 @@ def divergence_chunk_bytes(vocab: int, rows: int, chunk: int, dtype_bytes: int, 
     return rows * chunk * vocab * (2 * dtype_bytes + extra)
 
 
-def distill_settings(recipe, settings: PlanSettings) -> PlanSettings:
+def distill_settings(recipe, settings: PlanSettings, budget_bytes: float | None = None) -> PlanSettings:
     """A distillation recipe's :class:`PlanSettings`: ``settings`` (what every sampling recipe shares) with one
     completion per prompt, no reference, no entropy bonus, no judge, and the teacher: its kind (``adapter`` or
-    ``model``) and, for a model, its folder or name."""
+    ``model``) and, for a model, its folder or name and its quantization -- ``model.quantization`` as written, or for
+    ``auto`` what the loader picks for the teacher's own size (:func:`lorarl.model.loading.choose_quantization`
+    against ``budget_bytes``: a 7B teacher beside a 0.5B student is NF4 on a 24 GB card while the student is bf16)."""
+    from lorarl.model.loading import choose_quantization
     from lorarl.model.teacher import adapter_folder
 
     spec = recipe.distill.teacher
     is_adapter = adapter_folder(spec) is not None
+    quant = settings.quantization
     if not is_adapter:
-        model_teacher_shape(spec)  # one line now when its shape cannot be read
+        teacher = model_teacher_shape(spec)  # one line now when its shape cannot be read
+        if recipe.model.quantization == "auto":
+            quant = choose_quantization(2 * teacher.num_params(), budget_bytes, settings.device)[0]
     return plan_settings(
         settings,
         algo="distill",
@@ -70,6 +76,7 @@ def distill_settings(recipe, settings: PlanSettings) -> PlanSettings:
         judge="none",
         teacher="adapter" if is_adapter else "model",
         teacher_model=None if is_adapter else spec,
+        teacher_quantization=quant,
         distill_beta=recipe.distill.beta,
     )
 
@@ -93,8 +100,8 @@ def teacher_shape(shape: ModelShape, s: PlanSettings) -> ModelShape:
 
 def teacher_persistent_terms(shape: ModelShape, s: PlanSettings, n_policy: int, dtype_bytes: int) -> dict[str, float]:
     """What the teacher holds in every phase (module docstring); nothing without one."""
-    teacher = teacher_shape(shape, s)
-    return frozen_model_terms("teacher", s.teacher, teacher, s.quantization, dtype_bytes, s.double_quant, n_policy)
+    teacher, quant = teacher_shape(shape, s), s.teacher_quantization or s.quantization
+    return frozen_model_terms("teacher", s.teacher, teacher, quant, dtype_bytes, s.double_quant, n_policy)
 
 
 def distill_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> Moments:
@@ -107,7 +114,7 @@ def distill_training_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -
     kept = {k: v for k, v in student.items() if k not in ("layer_recompute", "dequantized_weight", "attention_mask")}
     teacher_states = {"teacher_hidden": mb * C * t.hidden_size * z.dt}
     vocab = min(shape.vocab_size, t.vocab_size)
-    dequantized = dequantized_weight_bytes(t, s.quantization, z.dt)  # the teacher's largest projection (NF4)
+    dequantized = dequantized_weight_bytes(t, s.teacher_quantization or s.quantization, z.dt)  # its largest (NF4)
     return {
         "teacher_forward": {
             "teacher_hidden_states": 2 * mb * T * t.hidden_size * z.dt,

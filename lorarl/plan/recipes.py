@@ -191,7 +191,7 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
         eval_max_new_tokens=recipe.eval.max_new_tokens,
         **judge_settings(recipe, prompt_len, grpo.group_size if algo == "grpo" else 1),
     )
-    return distill_settings(recipe, settings) if algo == "distill" else settings
+    return distill_settings(recipe, settings, budget_bytes) if algo == "distill" else settings
 
 
 def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> PlanSettings:

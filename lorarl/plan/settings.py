@@ -76,9 +76,11 @@ class PlanSettings:
     judge_rows: int = 16  # judge prompts per generate call (judge.batch_size)
     judge_tokens: int = 0  # tokens of one judge prompt with its answer
     # distill (lorarl.plan.distill): the teacher (none | adapter: frozen on the base | model: a second base), a model
-    # teacher's folder / config.json / known name (its weights count), and distill.beta (0 / 1: a KL, else the JSD)
+    # teacher's folder / config.json / known name (its weights count) and quantization, and distill.beta (0 / 1: a
+    # KL, else the JSD)
     teacher: str = "none"
     teacher_model: str | None = None
+    teacher_quantization: str | None = None  # nf4 | none; None: the base's
     distill_beta: float = 1.0
 
     @property
