@@ -519,3 +519,19 @@ def test_a_real_step_on_the_cpu_stays_under_the_plan_and_close_to_it(tiny_model_
     predicted = estimate_memory(shape, s)["phases"]["training"]
     ratio = predicted / meter.peaks["training"]
     assert 0.95 <= ratio <= 1.35, (predicted, meter.peaks["training"])
+
+
+def test_the_workbench_train_tab_offers_the_distillation_recipe():
+    """The Train tab lists recipes/distill_arithmetic.yaml with its teacher and beta as fields (GRPO's group size
+    left out), and its plan line names the teacher when it has not been exported yet."""
+    from lorarl.app.recipes import fields_for, list_recipes, plan_line
+
+    recipe = REPO / "recipes" / "distill_arithmetic.yaml"
+    assert str(recipe) in [c.path for c in list_recipes([REPO / "recipes"], REPO / "no-runs")]
+    keys = [f.key for f in fields_for(recipe)]
+    assert "distill.teacher" in keys and "distill.beta" in keys and "grpo.group_size" not in keys
+    assert "distill.teacher" not in [f.key for f in fields_for(REPO / "recipes" / "grpo_arithmetic.yaml")]
+    line = plan_line(recipe, ["distill.teacher=/no/such/teacher"])
+    assert (
+        line.startswith("plan: distill.teacher /no/such/teacher: its shape cannot be read offline") and "\n" not in line
+    )

@@ -20,10 +20,11 @@ evaluation, health checks, logging and the plot):
    ``max_terminated_length``, ``grad_norm``, ``learning_rate``; and lorarl's ``accuracy`` (the task verifier on the
    student's samples, when the data has answers: no reward is computed).
 
-The teacher (:mod:`lorarl.model.teacher`) is a frozen adapter on the same base, or a second model (its own folder or a
-merged export, with the student's tokenizer). Differences from TRL, on purpose: TRL's teacher is loaded unquantized by
-its script; lorarl loads a second-model teacher like the base (NF4 on CUDA). TRL's ``per_device_train_batch_size x
-gradient_accumulation_steps`` prompts per optimizer step are ``train.prompts_per_step`` here, one completion each.
+The teacher (:mod:`lorarl.model.teacher`) is a frozen adapter on the same base, or a second model (its own folder or
+a merged export, with the student's tokenizer). Differences from TRL, on purpose: TRL's teacher is loaded
+unquantized by its script; lorarl loads a second-model teacher like the base (NF4 on CUDA when large). TRL's
+``per_device_train_batch_size x gradient_accumulation_steps`` prompts per optimizer step are
+``train.prompts_per_step`` here, one completion each.
 """
 
 from __future__ import annotations

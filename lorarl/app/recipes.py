@@ -44,7 +44,7 @@ class Field:
     kind: FieldKind
 
 
-# The fields the Train tab shows, in order. grpo.group_size only for GRPO recipes, distill.* for distillation; one weight per reward function
+# The fields the Train tab shows, in order. grpo.group_size only for GRPO recipes; one weight per reward function
 # (REWARD_WEIGHT) where the reward section applies -- fields_for() gives one recipe's list.
 COMMON_FIELDS: list[Field] = [
     Field("model.name", "model", "text"),

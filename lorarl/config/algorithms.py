@@ -1,5 +1,5 @@
 """The algorithms' own recipe sections (``grpo``, ``ppo`` with its sub-sections, ``reward_model``, ``sft``,
-``rejection_sampling``, ``dpo``, ``online_dpo``, ``distill``): one dataclass each, every field documented where it is declared, ranges checked in
+``rejection_sampling``, ``dpo``): one dataclass each, every field documented where it is declared, ranges checked in
 ``validate``. The shared sections and :class:`~lorarl.config.schema.Recipe` are in :mod:`lorarl.config.schema`.
 """
 
@@ -375,9 +375,9 @@ class DistillConfig:
     the loss is the generalized JSD of the two next-token distributions per token, token mean over the step (GKD,
     Agarwal et al. 2024). No reward: the reward section scores the held-out evaluation only."""
 
-    # a model folder or name (a second frozen model, NF4 on CUDA like the base; a merged export is one), or a PEFT
-    # adapter folder (adapter_config.json: loaded frozen on the one base). Same tokenizer as the base, or refused.
-    # TRL's teacher_model / teacher_model_name_or_path
+    # a model folder or name (a second frozen model loaded like the base: NF4 on CUDA when large; a merged export is
+    # one), or a PEFT adapter folder (adapter_config.json: loaded frozen on the one base). Same tokenizer as the base,
+    # or refused. TRL's teacher_model / teacher_model_name_or_path
     teacher: str = ""
     beta: float = 1.0  # TRL's: 0 = forward KL(teacher || student), 1 = reverse KL (TRL's default), else JSD(beta)
 

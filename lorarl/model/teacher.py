@@ -4,8 +4,8 @@
   its ``policy/`` adapter) is loaded frozen as the adapter ``teacher`` beside the student's ``policy``: no second
   model in memory, the teacher is the base with its LoRA on (the trained GRPO adapter of the quickstart, say);
 * **a second model** -- any other folder or name (a merged export is one) is loaded once, frozen, with the
-  student's base's quantization and dtype (NF4 on CUDA by default, full precision on the CPU), as its own
-  :class:`SharedBase` (no adapters). Its tokenizer must be the student's, token for token: the loss compares the
+  student's ``model.quantization`` (``auto``: by the teacher's own size, NF4 for a large one on CUDA) and dtype, as
+  its own :class:`SharedBase` (no adapters). Its tokenizer must be the student's, token for token: the loss compares the
   two next-token distributions id by id. A different one is refused in one line naming both models.
 
 Neither form may adapt ``lm_head``: the loss projects both models' hidden states through their own output heads

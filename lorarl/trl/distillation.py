@@ -3,8 +3,8 @@ field through :data:`lorarl.trl.fields.TABLE`) and ``peft.LoraConfig`` in, an ``
 :func:`lorarl.train` underneath (:mod:`lorarl.algos.distill`).
 
 The student is the one base with a LoRA adapter; ``teacher_model`` is a model name or folder (a second frozen model,
-loaded like the base: NF4 on CUDA), a merged export folder, or a PEFT adapter folder (loaded frozen on the one base:
-no second model in memory). A model object is taken by its folder, as ``model`` is.
+loaded like the base: NF4 on CUDA when large), a merged export folder, or a PEFT adapter folder (loaded frozen on
+the one base: no second model in memory). A model object is taken by its folder, as ``model`` is.
 """
 
 from __future__ import annotations

@@ -697,7 +697,8 @@ def _no_tools(value: Any, ctx: dict) -> dict:
 DISTILL_OWN: dict[str, Map | Note | Refuse] = {
     "per_device_train_batch_size": Map(
         "train.prompts_per_step",
-        "x gradient_accumulation_steps = prompts per optimizer step, one completion each; itself train.micro_batch_size",
+        "x gradient_accumulation_steps = prompts per optimizer step, one completion each; "
+        "itself train.micro_batch_size",
         _distill_batch,
     ),
     "learning_rate": Map(
