@@ -21,14 +21,14 @@ from typing import Union
 import pytest
 import yaml
 
-from lorarl.config import recipe_from_dict
+from lorarl.config import ALGO_SECTIONS, recipe_from_dict
 from lorarl.config.migrate import migrate_path
 from lorarl.config.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SECTIONS = [f.name for f in dataclasses.fields(Recipe) if f.name != "source_path"]
-ALGOS = ("grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "rloo")
+ALGOS = tuple(ALGO_SECTIONS)  # every algorithm with a section of its own (grpo, ..., distill)
 FILE_SUFFIXES = {"py", "json", "jsonl", "md", "yaml", "yml", "png", "txt", "csv", "parquet", "pid", "log"}
 
 # dotted names in the docs that are other tools' configuration keys, not lorarl's

@@ -15,6 +15,7 @@ ALGORITHMS = {
     "dpo": "lorarl.algos.dpo:DPO",
     "online_dpo": "lorarl.algos.online_dpo:OnlineDPO",
     "rloo": "lorarl.algos.rloo:RLOO",
+    "distill": "lorarl.algos.distill:Distill",
 }
 
 

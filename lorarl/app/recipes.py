@@ -52,6 +52,8 @@ COMMON_FIELDS: list[Field] = [
     Field("train.learning_rate", "learning rate", "float"),
     Field("grpo.group_size", "group size (completions per prompt)", "int"),
     Field("rloo.group_size", "group size (completions per prompt)", "int"),
+    Field("distill.teacher", "teacher (model folder, merged export or adapter folder)", "text"),
+    Field("distill.beta", "beta (0 forward KL, 1 reverse KL)", "float"),
     Field("generation.max_new_tokens", "max new tokens", "int"),
     Field(REWARD_WEIGHT, "reward weight", "float"),
     Field("eval.every", "evaluate every N steps", "int"),  # label completed per algorithm: eval_every_label
@@ -331,9 +333,12 @@ def plan_line(path: str | os.PathLike, overrides: list[str] | None = None, budge
     if cuda:
         props = torch.cuda.get_device_properties(0)
         budget = budget_gb if budget_gb is not None else props.total_memory / GB
-    s = recipe_settings(
-        recipe, device_type="cuda" if cuda else "cpu", shape=shape, budget_bytes=budget * GB if budget else None
-    )
+    try:
+        s = recipe_settings(
+            recipe, device_type="cuda" if cuda else "cpu", shape=shape, budget_bytes=budget * GB if budget else None
+        )
+    except LorarlError as e:  # a distillation teacher whose shape cannot be read (not trained / exported yet)
+        return f"plan: {e}"
     mb = recipe.train.micro_batch_size
     if cuda:
         pick = pick_micro_batch(shape, budget, s)

@@ -516,6 +516,30 @@ class OnlineDPOConfig(PreferenceLosses):
         check(self.max_tokens_per_forward >= 0, where, "online_dpo.max_tokens_per_forward", "must be >= 0")
 
 
+@dataclass
+class DistillConfig:
+    """On-policy distillation (TRL's DistillationTrainer; lorarl.algos.distill): the student (the policy adapter on
+    the one base) samples completions of train.prompts_per_step prompts at generation.temperature (TRL's
+    `temperature`, which also softens both distributions in the loss), the frozen teacher scores every token, and
+    the loss is the generalized JSD of the two next-token distributions per token, token mean over the step (GKD,
+    Agarwal et al. 2024). No reward: the reward section scores the held-out evaluation only."""
+
+    # a model folder or name (a second frozen model loaded like the base: NF4 on CUDA when large; a merged export is
+    # one), or a PEFT adapter folder (adapter_config.json: loaded frozen on the one base). Same tokenizer as the base,
+    # or refused. TRL's teacher_model / teacher_model_name_or_path
+    teacher: str = ""
+    beta: float = 1.0  # TRL's: 0 = forward KL(teacher || student), 1 = reverse KL (TRL's default), else JSD(beta)
+
+    def validate(self, where: str) -> None:
+        check(
+            bool(self.teacher.strip()),
+            where,
+            "distill.teacher",
+            "must name the teacher: a model folder or name, a merged export, or a PEFT adapter folder",
+        )
+        check(0.0 <= self.beta <= 1.0, where, "distill.beta", "must be in [0, 1] (0 forward KL, 1 reverse KL)")
+
+
 # The algorithm sections, and the shared sections each algorithm reads (others are refused in a recipe).
 ALGO_SECTIONS: dict[str, type] = {
     "grpo": GRPOConfig,
@@ -526,6 +550,7 @@ ALGO_SECTIONS: dict[str, type] = {
     "dpo": DPOConfig,
     "online_dpo": OnlineDPOConfig,
     "rloo": RLOOConfig,
+    "distill": DistillConfig,
 }
 SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
 USES = {
@@ -537,5 +562,6 @@ USES = {
     "dpo": SHARED_SECTIONS,  # reward and generation: the held-out task evaluation (dpo.task_source)
     "online_dpo": SHARED_SECTIONS,  # prompts, the reward that ranks the samples, sampling
     "rloo": SHARED_SECTIONS,  # single-turn, as TRL's RLOOTrainer (no tools)
+    "distill": SHARED_SECTIONS,  # prompts and sampling; the reward scores the held-out evaluation only
 }
-TRAINS_ON_SAMPLES = ("grpo", "ppo", "rloo")
+TRAINS_ON_SAMPLES = ("grpo", "ppo", "rloo", "distill")

@@ -14,6 +14,7 @@ from lorarl.config.agent import AgentConfig
 from lorarl.config.algorithms import (
     ALGO_SECTIONS,
     TRAINS_ON_SAMPLES,
+    DistillConfig,
     DPOConfig,
     GRPOConfig,
     OnlineDPOConfig,
@@ -340,7 +341,9 @@ class Recipe:
     """A whole recipe: the algorithm, the shared sections, and the algorithm's own section (the others are None)."""
 
     # which algorithm trains
-    algo: Literal["grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "rloo"] = "grpo"
+    algo: Literal[
+        "grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "rloo", "distill"
+    ] = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
@@ -358,6 +361,7 @@ class Recipe:
     dpo: DPOConfig | None = None
     online_dpo: OnlineDPOConfig | None = None
     rloo: RLOOConfig | None = None
+    distill: DistillConfig | None = None
     source_path: str | None = None  # where the recipe was read from (set by load_recipe, not a YAML key)
 
     def __post_init__(self) -> None:

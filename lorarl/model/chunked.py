@@ -12,7 +12,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lorarl.core.chunking import logit_chunk_positions
+from lorarl.core.distillation import generalized_jsd
 from lorarl.core.losses import entropy_from_logprobs
+
+
+def chunk_positions(rows: int, positions: int, chunk_size: int, chunk_tokens: int | None) -> int:
+    """Positions per chunk: ``chunk_size``, fewer when ``rows`` x that would pass ``chunk_tokens``
+    (:func:`~lorarl.core.chunking.logit_chunk_positions`; None: no token bound)."""
+    if chunk_tokens is None or rows == 0:
+        return chunk_size
+    return logit_chunk_positions(rows, positions, chunk_size, chunk_tokens)
 
 
 def chunked_token_logprobs(
@@ -57,11 +66,7 @@ def chunked_token_logprobs(
         return lp, ent
 
     rows, positions = hidden.shape[0], hidden.shape[1]
-    step = (
-        chunk_size
-        if chunk_tokens is None or rows == 0
-        else logit_chunk_positions(rows, positions, chunk_size, chunk_tokens)
-    )
+    step = chunk_positions(rows, positions, chunk_size, chunk_tokens)
     outs_lp, outs_ent = [], []
     for s in range(0, positions, step):
         h, tgt = hidden[:, s : s + step], targets[:, s : s + step]
@@ -127,3 +132,49 @@ class ChunkLogprobs(torch.autograd.Function):
             del dx
         torch.autograd.backward(out, d_out)  # into h_in.grad and any trainable parameter of the head
         return h_in.grad, None, None, None, None, None
+
+
+def chunked_divergence(
+    student_hidden: torch.Tensor,
+    student_head: nn.Module,
+    teacher_hidden: torch.Tensor,
+    teacher_head: nn.Module,
+    beta: float,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation's per-token divergence (:func:`lorarl.core.distillation.generalized_jsd`) and the
+    student's entropy, from both models' hidden states, a chunk of positions at a time.
+
+    student_hidden [B, T, H_S] (with gradient), teacher_hidden [B, T, H_T] (without) -> divergence [B, T] fp32 and
+    entropy [B, T] fp32 (the student's ``softmax(logits / temperature)``, no gradient: TRL's ``entropy`` metric).
+    Each head maps its model's hidden states to logits, the model's logit transform included
+    (:meth:`SharedBase.output_head`). A chunk holds the student's and the teacher's ``[B, c, V]`` logits (``c`` as
+    :func:`chunked_token_logprobs` sizes it) and is recomputed in the backward pass (activation checkpointing), so
+    one chunk of the two models' logits is alive at a time, forward or backward; the teacher's logits never carry a
+    graph. Values and gradients equal the unchunked computation's (tests/test_distill.py).
+    """
+
+    def one_chunk(h_s: torch.Tensor, h_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s_logits = student_head(h_s)  # [B, c, V_S]
+        with torch.no_grad():
+            t_logits = teacher_head(h_t)  # [B, c, V_T]
+            ent = entropy_from_logprobs(torch.log_softmax(s_logits.detach().float() / temperature, dim=-1))
+        return generalized_jsd(s_logits, t_logits, beta, temperature), ent
+
+    rows, positions = student_hidden.shape[0], student_hidden.shape[1]
+    step = chunk_positions(rows, positions, chunk_size, chunk_tokens)
+    outs_div, outs_ent = [], []
+    for s in range(0, positions, step):
+        h_s, h_t = student_hidden[:, s : s + step], teacher_hidden[:, s : s + step].detach()
+        if torch.is_grad_enabled() and h_s.requires_grad:
+            div, ent = checkpoint(one_chunk, h_s, h_t, use_reentrant=False)
+        else:
+            div, ent = one_chunk(h_s, h_t)
+        outs_div.append(div)
+        outs_ent.append(ent)
+    if not outs_div:  # no positions
+        empty = student_hidden.new_zeros((rows, 0), dtype=torch.float32)
+        return empty, empty.clone()
+    return torch.cat(outs_div, dim=1), torch.cat(outs_ent, dim=1)

@@ -112,22 +112,54 @@ def completion_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[B, T]`` (and entropies) of the completion tokens of ``batch`` under the active role, with
     gradients if enabled (the entropy's only if ``entropy_grad``: an entropy that is only logged costs a chunk's
-    backward no memory, :func:`~lorarl.model.chunked.chunked_token_logprobs`).
+    backward no memory, :func:`~lorarl.model.chunked.chunked_token_logprobs`), through the forward path
+    :func:`forward_path` picks: one full forward (:meth:`SharedBase.token_logprobs`), or the hidden states of
+    :func:`completion_hidden`'s prompt-sharing paths. Positions past a row's completion mask get log-prob (and
+    entropy) 0 on the packed path. ``token_stat`` (with ``with_entropy``): another per-position statistic in the
+    entropy's place (:func:`~lorarl.model.chunked.chunked_token_logprobs`)."""
+    path = forward_path(shared, batch, share_prompts)
+    dev = shared.device
+    if path == "full":
+        ids, att = joined(batch)
+        P = batch.prompt_ids.shape[1]
+        return shared.token_logprobs(ids.to(dev), att.to(dev), P, temperature, with_entropy, entropy_grad, token_stat)
+    hidden = completion_hidden(shared, batch, share_prompts, path=path)
+    if path == "packed":
+        return masked_logprobs(shared, batch, hidden, temperature, with_entropy, entropy_grad, token_stat)
+    targets = batch.completion_ids.to(dev)
+    return shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
 
-    With ``share_prompts`` each distinct prompt runs through the model once: its keys / values are indexed out to
-    the rows that share it (an exact rewrite of the full forward -- gradients flow back through the shared prompt
-    once per row, summed), and the completions run on top. For a group of ``G`` completions of a ``P``-token
-    prompt this processes ``P + G*T`` tokens instead of ``G*(P + T)``. With gradient checkpointing on in train mode
-    (no cache there) the completions are packed behind their prompt instead (:func:`packed_completion_logprobs`).
-    Falls back to one full forward when the prompts are all distinct, or under checkpointing with an attention
-    implementation that takes no 4-D mask (sdpa and eager do) or with layers whose attention window
-    (:func:`attention_window`) is shorter than a row: the packs' mask would let those layers see past their window
-    (measured on a tiny Gemma-2 with an 8-token window: 0.11 nats per token from what the sampler drew with).
-    ``token_stat`` (with ``with_entropy``): another per-position statistic in the entropy's place
-    (:func:`~lorarl.model.chunked.chunked_token_logprobs`).
-    """
+
+def masked_logprobs(
+    shared: SharedBase,
+    batch: TokenBatch,
+    hidden: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    token_stat=None,
+) -> tuple[Tensor, Tensor | None]:
+    """The completion log-probs (and entropies, or ``token_stat``) of the packed path's ``hidden`` ``[B, T, H]``, 0
+    past each row's completion mask (where the packed states belong to other positions)."""
+    dev = shared.device
+    mask = batch.completion_mask.to(dev)
+    targets = batch.completion_ids.to(dev)
+    lp, ent = shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
+    return lp.masked_fill(~mask, 0.0), (ent.masked_fill(~mask, 0.0) if ent is not None else None)
+
+
+def forward_path(shared: SharedBase, batch: TokenBatch, share_prompts: bool = True) -> str:
+    """How :func:`completion_hidden` runs ``batch`` under the active role: ``shared`` (each distinct prompt once, its
+    keys / values indexed out to the rows that share it: an exact rewrite of the full forward -- gradients flow back
+    through the shared prompt once per row, summed -- and the completions on top; for a group of ``G`` completions
+    of a ``P``-token prompt ``P + G*T`` tokens instead of ``G*(P + T)``), ``packed`` (with gradient checkpointing on
+    in train mode there is no cache: the completions are packed behind their prompt, :func:`packed_completion_hidden`)
+    or ``full`` (one forward of every row: ``share_prompts`` off, the prompts all distinct, or under checkpointing with
+    an attention implementation that takes no 4-D mask -- sdpa and eager do -- or with layers whose attention window,
+    :func:`attention_window`, is shorter than a row: the packs' mask would let those layers see past their window,
+    measured on a tiny Gemma-2 with an 8-token window: 0.11 nats per token from what the sampler drew with)."""
     P = batch.prompt_ids.shape[1]
-    starts, inverse = prompt_groups(batch.prompt_index)
+    starts, _ = prompt_groups(batch.prompt_index)
     checkpointing = shared.module.training and shared.cfg.gradient_checkpointing
     window = attention_window(shared.base.config)
     # a 4-D mask replaces every layer's own mask: exact only when no layer's window cuts a row short
@@ -135,14 +167,25 @@ def completion_logprobs(
         window is None or window >= P + batch.completion_ids.shape[1]
     )
     if not share_prompts or len(starts) == len(batch) or P < 2 or (checkpointing and not packs_exact):
+        return "full"
+    return "packed" if checkpointing else "shared"
+
+
+def completion_hidden(
+    shared: SharedBase, batch: TokenBatch, share_prompts: bool = True, path: str | None = None
+) -> Tensor:
+    """The last hidden states ``[B, T, H]`` of the active role that predict each completion token of ``batch`` (the
+    state before token ``t``), with gradients if enabled, through :func:`forward_path`'s path (``path``: already
+    picked). On the packed path the positions past a row's completion mask hold another position's state: mask
+    them."""
+    path = path or forward_path(shared, batch, share_prompts)
+    P = batch.prompt_ids.shape[1]
+    if path == "full":
         ids, att = joined(batch)
-        return shared.token_logprobs(
-            ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy, entropy_grad, token_stat
-        )
-    if checkpointing:
-        return packed_completion_logprobs(
-            shared, batch, temperature, with_entropy, entropy_grad=entropy_grad, token_stat=token_stat
-        )
+        return shared.hidden_states(ids.to(shared.device), att.to(shared.device))[:, P - 1 : -1]
+    if path == "packed":
+        return packed_completion_hidden(shared, batch)
+    starts, inverse = prompt_groups(batch.prompt_index)
     from transformers import DynamicCache
 
     dev = shared.device
@@ -166,9 +209,7 @@ def completion_logprobs(
         use_cache=True,
     )
     last_prompt = out.last_hidden_state[:, -1:].index_select(0, rows)  # [B, 1, H]: predicts completion token 0
-    hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
-    targets = batch.completion_ids.to(dev)
-    return shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
+    return torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]
 
 
 PACK_TOKENS = 1024  # a pack holds one prompt and as many of its completions as fit in this many tokens
@@ -240,19 +281,11 @@ def pack_completions(batch: TokenBatch, pad_id: int, pack_tokens: int = PACK_TOK
     return PrefixPacks(input_ids, position_ids, allowed[:, None], pack_of, column_of)
 
 
-def packed_completion_logprobs(
-    shared: SharedBase,
-    batch: TokenBatch,
-    temperature: float,
-    with_entropy: bool = False,
-    pack_tokens: int = PACK_TOKENS,
-    entropy_grad: bool = True,
-    token_stat=None,
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`completion_logprobs` through prompt-sharing packs (:func:`pack_completions`): one plain forward with
-    a 4-D attention mask and no cache, so it works under activation checkpointing. For ``G`` completions of a
-    ``P``-token prompt the model runs ``P + sum(lengths)`` tokens instead of ``G * (P + T)``. Positions past a
-    row's completion mask get log-prob (and entropy) 0."""
+def packed_completion_hidden(shared: SharedBase, batch: TokenBatch, pack_tokens: int = PACK_TOKENS) -> Tensor:
+    """:func:`completion_hidden` through prompt-sharing packs (:func:`pack_completions`): one plain forward with a
+    4-D attention mask and no cache, so it works under activation checkpointing. For ``G`` completions of a
+    ``P``-token prompt the model runs ``P + sum(lengths)`` tokens instead of ``G * (P + T)``. Returns ``[B, T, H]``;
+    positions past a row's completion mask hold another position's state (mask them)."""
     dev = shared.device
     packs = pack_completions(batch, shared.tokenizer.pad_token_id, pack_tokens)
     decoder = shared.decoder()
@@ -267,12 +300,22 @@ def packed_completion_logprobs(
     )
     R, L, H = out.last_hidden_state.shape
     where = (packs.pack * L + packs.column).to(dev)  # [B, T] flat positions in the packs
-    hidden = out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
-    mask = batch.completion_mask.to(dev)
-    targets = batch.completion_ids.to(dev)
-    lp, ent = shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
-    lp = lp.masked_fill(~mask, 0.0)
-    return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)
+    return out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
+
+
+def packed_completion_logprobs(
+    shared: SharedBase,
+    batch: TokenBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    pack_tokens: int = PACK_TOKENS,
+    entropy_grad: bool = True,
+    token_stat=None,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`completion_logprobs` on the packed path (:func:`packed_completion_hidden`), whatever the role's mode.
+    Positions past a row's completion mask get log-prob (and entropy, or ``token_stat``) 0."""
+    hidden = packed_completion_hidden(shared, batch, pack_tokens)
+    return masked_logprobs(shared, batch, hidden, temperature, with_entropy, entropy_grad, token_stat)
 
 
 PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations transformers builds a packed-sequence mask for

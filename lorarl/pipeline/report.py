@@ -86,6 +86,11 @@ def stage_notes(algo: str, summary: dict) -> str:
             f"{summary.get('steps')} steps, reward of the samples {number(summary.get('reward_first10'))} -> "
             f"{number(summary.get('reward_last10'))}"
         )
+    if algo == "distill":
+        return (
+            f"{summary.get('steps')} steps from the {summary.get('teacher_kind')} teacher, divergence per token "
+            f"{number(summary.get('loss_first10'))} -> {number(summary.get('loss_last10'))}"
+        )
     if algo == "reward_model":
         return f"held-out pairwise accuracy {percent(summary.get('pairwise_accuracy'))}"
     if algo in ("grpo", "ppo", "rloo"):

@@ -46,7 +46,7 @@ from lorarl.config.algorithms import ALGO_SECTIONS, USES
 from lorarl.config.shipped import resolve_recipe, shipped_recipe
 from lorarl.errors import LorarlError, RecipeError
 
-POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo", "rloo")
+POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo", "rloo", "distill")
 STAGE_KEYS = ("name", "recipe", "overrides")
 TOP_KEYS = ("defaults", "evaluation", "stages")
 EVAL_KEYS = ("n", "base", "recipe", "overrides")

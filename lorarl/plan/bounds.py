@@ -41,6 +41,10 @@ TRAINING_TERMS = {
     "final_hidden": "the final hidden states",
     "layer": "one layer's activations",
     "layer_forward": "one layer's forward",
+    "divergence_chunk": "a chunk of the student's and the teacher's logits",  # distill
+    "teacher_hidden": "the teacher's hidden states",
+    "teacher_hidden_states": "the teacher's hidden states",
+    "teacher_layer_forward": "one teacher layer's forward",
 }
 
 
@@ -68,12 +72,15 @@ def driving_keys(recipe, settings: dict[str, Any], term: str) -> str:
         return f"train.micro_batch_size (1 planned) x [{tokens}] tokens"
     if term.startswith("base_"):
         return f"model.name ({recipe.model.name})"
+    if term.startswith("teacher_base_"):
+        return f"distill.teacher ({recipe.distill.teacher})"
     return "this recipe (`lorarl plan` shows every term)"
 
 
 def planned_step_bytes(recipe, device_type: str) -> dict[str, Any] | None:
     """The planner's estimate of one step of ``recipe`` on ``device_type`` at micro-batch 1 (None: an algorithm
-    the planner does not model, or a model whose shape cannot be read offline: the load says why)."""
+    the planner does not model, or a model -- or distillation teacher -- whose shape cannot be read offline: the load
+    says why)."""
     from lorarl.plan.estimate import estimate_memory
     from lorarl.plan.recipes import PLANNED_RECIPES, recipe_model_shape, recipe_settings
 
@@ -81,9 +88,10 @@ def planned_step_bytes(recipe, device_type: str) -> dict[str, Any] | None:
         return None
     try:
         shape = recipe_model_shape(recipe)
+        settings = recipe_settings(recipe, device_type=device_type)  # (reads a distillation teacher's shape too)
     except (LorarlError, OSError, ValueError, KeyError):
         return None
-    return estimate_memory(shape, recipe_settings(recipe, device_type=device_type), micro_batch_size=1)
+    return estimate_memory(shape, settings, micro_batch_size=1)
 
 
 def memory_refusal(recipe, device_type: str, memory_bytes: int) -> str | None:
@@ -106,7 +114,8 @@ def memory_refusal(recipe, device_type: str, memory_bytes: int) -> str | None:
     label = (
         ROLLOUT_TERMS.get(term)
         or TRAINING_TERMS.get(term)
-        or ("the base weights" if term.startswith("base_") else f"{term!r}")
+        or ("the base weights" if term.startswith("base_") else None)
+        or ("the teacher's weights" if term.startswith("teacher_base_") else f"{term!r}")
     )
     where = f"the card's {memory_bytes / GB:.1f} GB" if cuda else f"this machine's {memory_bytes / GB:.1f} GB of RAM"
     return (

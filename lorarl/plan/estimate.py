@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lorarl.errors import LorarlError
+from lorarl.plan.distill import distill_training_moments, teacher_persistent_terms
 from lorarl.plan.engine import fast_generation_moments, fast_persistent_terms
 from lorarl.plan.judge import judge_persistent_terms, judging_moments
 from lorarl.plan.settings import (
@@ -60,6 +61,7 @@ def persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[s
     persistent["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if s.device == "cuda" else 0
     persistent.update(fast_persistent_terms(shape, s, z))
     persistent.update(judge_persistent_terms(shape, s, z.n_policy, z.dt))
+    persistent.update(teacher_persistent_terms(shape, s, z.n_policy, z.dt))
     return persistent
 
 
@@ -239,7 +241,7 @@ def phase_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[str,
     phases = {
         "generation": generation_moments(shape, s, z),
         "scoring": scoring_moments(shape, s, z),
-        "training": training_moments(shape, s, z),
+        "training": distill_training_moments(shape, s, z) if s.algo == "distill" else training_moments(shape, s, z),
     }
     if s.algo == "ppo":
         phases["critic_training"] = critic_training_moments(shape, s, z)

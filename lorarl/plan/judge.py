@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorarl.plan.terms import base_weight_bytes, kv_bytes_per_token, sampling_logits_bytes
+from lorarl.plan.terms import frozen_model_terms, kv_bytes_per_token, sampling_logits_bytes
 from lorarl.shapes import ModelShape, model_shape
 
 FORMAT_TOKENS = 48  # the answer-format line lorarl.rewards.judge_prompts appends
@@ -56,12 +56,9 @@ def _judge_shape(shape: ModelShape, s) -> ModelShape:
 
 def judge_persistent_terms(shape: ModelShape, s, n_policy: int, dtype_bytes: int) -> dict[str, float]:
     """What the judge holds in every phase (module docstring)."""
-    if s.judge == "adapter":
-        return {"lora_judge_frozen": 4 * n_policy}
-    if s.judge == "folder":
-        weights = base_weight_bytes(_judge_shape(shape, s), s.quantization, dtype_bytes, s.double_quant)
-        return {f"judge_{k}": v for k, v in weights.items()}
-    return {}
+    kind = {"adapter": "adapter", "folder": "model"}.get(s.judge, "none")
+    judge = _judge_shape(shape, s) if kind == "model" else shape
+    return frozen_model_terms("judge", kind, judge, s.quantization, dtype_bytes, s.double_quant, n_policy)
 
 
 def judging_moments(shape: ModelShape, s, dtype_bytes: int) -> dict[str, dict[str, float]]:

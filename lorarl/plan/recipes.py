@@ -10,6 +10,7 @@ from lorarl.config import GRPOConfig, GRPOKLConfig, PPOConfig
 from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import largest_fitting_generation_batch, largest_fitting_micro_batch, pick_micro_batch
+from lorarl.plan.distill import distill_settings
 from lorarl.plan.engine import uses_graphs
 from lorarl.plan.estimate import estimate_memory
 from lorarl.plan.judge import judge_settings
@@ -161,7 +162,7 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
         return dpo_settings(recipe, device_type, quant, dtype_bytes)
     if algo in ("reward_model", "sft"):
         return supervised_settings(recipe, device_type, quant, dtype_bytes)
-    return PlanSettings(
+    settings = PlanSettings(
         algo=algo,
         quantization=quant,
         dtype_bytes=dtype_bytes,
@@ -192,6 +193,7 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
         eval_max_new_tokens=recipe.eval.max_new_tokens,
         **judge_settings(recipe, prompt_len, grpo.group_size if algo == "grpo" else 1),
     )
+    return distill_settings(recipe, settings, budget_bytes) if algo == "distill" else settings
 
 
 def rloo_as_grpo(rloo) -> GRPOConfig:

@@ -18,7 +18,7 @@ from lorarl.plan.terms import (
 )
 from lorarl.shapes import ModelShape
 
-PLANNED_ALGOS = ("grpo", "ppo", "dpo", "reward_model", "sft")  # the steps the planner models
+PLANNED_ALGOS = ("grpo", "ppo", "dpo", "reward_model", "sft", "distill")  # the steps the planner models
 Moment = dict[str, float]  # the terms alive at the same time, by name
 Moments = dict[str, Moment]  # a phase's moments, by name
 
@@ -75,6 +75,13 @@ class PlanSettings:
     judge_model: str | None = None  # judge folder: its folder / config.json / known name (its weights count)
     judge_rows: int = 16  # judge prompts per generate call (judge.batch_size)
     judge_tokens: int = 0  # tokens of one judge prompt with its answer
+    # distill (lorarl.plan.distill): the teacher (none | adapter: frozen on the base | model: a second base), a model
+    # teacher's folder / config.json / known name (its weights count) and quantization, and distill.beta (0 / 1: a
+    # KL, else the JSD)
+    teacher: str = "none"
+    teacher_model: str | None = None
+    teacher_quantization: str | None = None  # nf4 | none; None: the base's
+    distill_beta: float = 1.0
 
     @property
     def rows(self) -> int:

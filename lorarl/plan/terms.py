@@ -118,6 +118,21 @@ def base_weight_bytes(
     return {"base_linear_weights": lin, "base_other_weights": other}
 
 
+def frozen_model_terms(
+    role: str, kind: str, shape: ModelShape, quantization: str, dtype_bytes: int, double_quant: bool, n_policy: int
+) -> dict[str, float]:
+    """A frozen second model's persistent terms: ``kind`` ``adapter`` -> a LoRA adapter sized like the policy's,
+    ``4`` bytes per parameter (``lora_<role>_frozen``); ``model`` -> a second base on its own ``shape``, loaded with
+    the base's quantization and dtype (``<role>_base_*``, :func:`base_weight_bytes`); anything else -> nothing.
+    The LLM judge (``judge``) and the distillation teacher (``teacher``) are such models."""
+    if kind == "adapter":
+        return {f"lora_{role}_frozen": 4 * n_policy}
+    if kind == "model":
+        weights = base_weight_bytes(shape, quantization, dtype_bytes, double_quant)
+        return {f"{role}_{k}": v for k, v in weights.items()}
+    return {}
+
+
 def dequantized_weight_bytes(shape: ModelShape, quantization: str, dtype_bytes: int) -> int:
     """The largest projection dequantized for a batched matmul (bitsandbytes dequantizes a whole NF4 weight):
     ``max(in x out) dt``; 0 unquantized.

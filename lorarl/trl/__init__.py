@@ -1,16 +1,20 @@
 """TRL's trainers as a drop-in: ``from lorarl.trl import GRPOTrainer, RLOOTrainer, DPOTrainer, SFTTrainer,
-RewardTrainer`` (and their configs, TRL's own classes: ``from lorarl.trl import RLOOConfig`` is ``trl.RLOOConfig``).
+RewardTrainer, DistillationTrainer`` (and their configs, TRL's own classes: ``from lorarl.trl import RLOOConfig`` is
+``trl.RLOOConfig``; TRL's quick starts import both from one place).
 
 Each takes TRL 1.16's constructor arguments, its own ``GRPOConfig`` / ``RLOOConfig`` / ``DPOConfig`` / ``SFTConfig`` /
-``RewardConfig`` and ``peft.LoraConfig`` as they are; every config field is mapped to a recipe key, noted (no effect
-here) or refused with one line (:mod:`lorarl.trl.fields`); training runs :func:`lorarl.train` (docs/trl_dropin.md).
+``RewardConfig`` / ``DistillationConfig`` and ``peft.LoraConfig`` as they are; every config field is mapped to a
+recipe key, noted (no effect here) or refused with one line (:mod:`lorarl.trl.fields`); training runs
+:func:`lorarl.train` (docs/trl_dropin.md).
 """
 
+from lorarl.trl.distillation import DistillationTrainer
 from lorarl.trl.trainers import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-CONFIGS = ("GRPOConfig", "RLOOConfig", "DPOConfig", "SFTConfig", "RewardConfig")  # TRL's, imported when first named
+# TRL's, imported when first named
+CONFIGS = ("GRPOConfig", "RLOOConfig", "DPOConfig", "SFTConfig", "RewardConfig", "DistillationConfig")
 
-__all__ = ["GRPOTrainer", "RLOOTrainer", "DPOTrainer", "SFTTrainer", "RewardTrainer", *CONFIGS]
+__all__ = ["GRPOTrainer", "RLOOTrainer", "DPOTrainer", "SFTTrainer", "RewardTrainer", "DistillationTrainer", *CONFIGS]
 
 
 def __getattr__(name: str):
