@@ -14,6 +14,7 @@ ALGORITHMS = {
     "rejection_sampling": "lorarl.algos.rejection_sampling:RejectionSampling",
     "dpo": "lorarl.algos.dpo:DPO",
     "online_dpo": "lorarl.algos.online_dpo:OnlineDPO",
+    "kto": "lorarl.algos.kto:KTO",
 }
 
 

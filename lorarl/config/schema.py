@@ -16,6 +16,7 @@ from lorarl.config.algorithms import (
     TRAINS_ON_SAMPLES,
     DPOConfig,
     GRPOConfig,
+    KTOConfig,
     OnlineDPOConfig,
     PPOConfig,
     RejectionSamplingConfig,
@@ -330,7 +331,7 @@ class Recipe:
     """A whole recipe: the algorithm, the shared sections, and the algorithm's own section (the others are None)."""
 
     # which algorithm trains
-    algo: Literal["grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo"] = "grpo"
+    algo: Literal["grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "kto"] = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
@@ -347,6 +348,7 @@ class Recipe:
     rejection_sampling: RejectionSamplingConfig | None = None
     dpo: DPOConfig | None = None
     online_dpo: OnlineDPOConfig | None = None
+    kto: KTOConfig | None = None
     source_path: str | None = None  # where the recipe was read from (set by load_recipe, not a YAML key)
 
     def __post_init__(self) -> None:

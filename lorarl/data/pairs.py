@@ -120,7 +120,7 @@ def count_ties_beside(source: str, recipe_path: str | None) -> int | None:
     return sum(1 for line in ties.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
-def _one_row(row: Any, i: int, data: DataConfig, tokenizer, eos_ids, end_id, max_length: int):
+def read_pair_row(row: Any, i: int, data: DataConfig, tokenizer, eos_ids, end_id, max_length: int):
     """One raw row -> ``(pair, ids)``, or ``(kind, reason)`` for a row left out. DataError: a malformed row."""
     if isinstance(row, dict) and row.get("tie") is True:
         return "tie", f"row {i}: a tie (column 'tie' is true)"
@@ -183,7 +183,7 @@ def load_pairs(
         if limit is not None and len(out) >= limit:
             break
         try:
-            pair, ids = _one_row(row, i, data, tokenizer, eos_ids, end_id, max_length)
+            pair, ids = read_pair_row(row, i, data, tokenizer, eos_ids, end_id, max_length)
         except DataError as e:
             if data.on_bad_row == "fail":
                 raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None

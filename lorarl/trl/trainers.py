@@ -432,6 +432,7 @@ class DPOTrainer(_Trainer):
     None or the same model as ``model``)."""
 
     config_name, algo, suffix = "DPOConfig", "dpo", "DPO"
+    label = "DPO"
 
     def __init__(
         # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
@@ -460,10 +461,18 @@ class DPOTrainer(_Trainer):
                 refuse(
                     "ref_model",
                     ref,
-                    "lorarl's DPO reference is the policy's own base with adapters off (one base in memory); a "
-                    "different reference model is not supported",
+                    f"lorarl's {self.label} reference is the policy's own base with adapters off (one base in memory); "
+                    "a different reference model is not supported",
                 )
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config)
+
+
+class KTOTrainer(DPOTrainer):
+    """TRL's ``KTOTrainer`` (1.16's signature, DPOTrainer's) on lorarl: unpaired rows (``prompt``, ``completion``,
+    ``label``) or preference pairs, unpaired as TRL does; the reference is the base with adapters off."""
+
+    config_name, algo, suffix = "KTOConfig", "kto", "KTO"
+    label = "KTO"
 
 
 class _SupervisedTrainer(_Trainer):
