@@ -221,6 +221,7 @@ def prepare_run_dir(recipe: Recipe, out: str | Path, *, resume: bool = False, fo
 
         check_reward_source(recipe.reward, recipe.agent, resolve_agent(recipe.agent, recipe.source_path))
     out = Path(out)
+    from lorarl.runfiles import check_run_folder
     from lorarl.runs import check_output_folder
     from lorarl.runstate import PID_FILE, PRE_RUN_FILES, VOTES_FILE, VOTES_TIES_FILE, check_not_live
 
@@ -238,6 +239,7 @@ def prepare_run_dir(recipe: Recipe, out: str | Path, *, resume: bool = False, fo
         for p in out.iterdir():  # (a retrain's copy of the votes is its data: kept)
             if p.name not in (VOTES_FILE, VOTES_TIES_FILE):
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    check_run_folder(out)  # a link where the run writes: one line now, not a crash hours later (lorarl.runfiles)
     return out
 
 
@@ -312,12 +314,13 @@ def evaluate_recipe(recipe: Recipe, checkpoint: str, n: int | None = None) -> di
     greedy held-out evaluation (:func:`lorarl.evaluate.evaluate`)."""
     from lorarl.algos import algorithm_class
     from lorarl.algos.loop import set_threads
+    from lorarl.model import pick_device
 
     check_registered(recipe)
     evaluate_fn = getattr(algorithm_class(recipe.algo), "evaluate_checkpoint", None)
     if evaluate_fn is None:  # every policy-training algorithm: greedy held-out evaluation
         from lorarl.evaluate import evaluate as evaluate_fn
-    set_threads()
+    set_threads(pick_device(recipe.model.device).type)
     return evaluate_fn(recipe, checkpoint, n=n)
 
 

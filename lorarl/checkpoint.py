@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from lorarl.errors import LorarlError
+from lorarl.runfiles import refuse_links
 from lorarl.runs import CHECKPOINTS, MARKER, latest_checkpoint, list_checkpoints, step_name
 
 
@@ -122,7 +123,7 @@ def save_checkpoint(
     """Write ``DIR/checkpoints/step-NNNNNN`` atomically and prune to the newest ``keep_last``; return its path."""
     from lorarl.config import recipe_to_dict
 
-    root = Path(run_dir) / CHECKPOINTS
+    root = refuse_links(Path(run_dir) / CHECKPOINTS)  # (a link here would take every checkpoint elsewhere)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.tmp-", dir=root))

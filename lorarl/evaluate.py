@@ -25,8 +25,11 @@ from lorarl.config import DataConfig, Recipe
 from lorarl.data import load_prompts
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
+from lorarl.rewards.call_args import LOG_METRIC_PREFIX, add_logged, pool_sums
 from lorarl.rewards.source import RewardSource, reward_source
+from lorarl.runfiles import write_atomic
 from lorarl.runs import find_adapter
+from lorarl.runstate import STATE_FILE, read_json
 from lorarl.tasks import accuracy
 
 POLICY = "policy"
@@ -40,6 +43,23 @@ def checkpoint_adapter(recipe: Recipe, checkpoint: str) -> Path | None:
     if checkpoint == "base":
         return Path(recipe.model.init_adapter) if recipe.model.init_adapter else None
     return find_adapter(checkpoint, POLICY)
+
+
+def adapter_steps(adapter: Path | None) -> int:
+    """The optimizer steps behind an adapter under evaluation (what reward functions see as
+    ``trainer_state.global_step``, as after TRL's training): a step checkpoint's step (``step-000040/...`` -> 40),
+    a run's final policy's last step (its ``state.json``), else 0 (the base, a folder of unknown origin)."""
+    if adapter is None:
+        return 0
+    for folder in (adapter, *adapter.parents[:2]):
+        if folder.name.startswith("step-") and folder.name[5:].isdigit():
+            return int(folder.name[5:])
+    try:
+        state = read_json(adapter.parent / STATE_FILE) if adapter.name == POLICY else None
+    except LorarlError:  # an unreadable state file: the adapter is still evaluated
+        state = None
+    step = state.get("step") if state else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else 0
 
 
 def load_eval_adapter(shared: SharedBase, adapter: Path | None) -> str:
@@ -75,18 +95,24 @@ def prompt_data(recipe: Recipe) -> DataConfig:
 
 
 @torch.no_grad()
-def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source: RewardSource | None = None) -> dict:
+def evaluate_role(
+    shared: SharedBase, recipe: Recipe, role: str, n: int, source: RewardSource | None = None, steps_done: int = 0
+) -> dict:
     """Greedy completions of role ``role`` on the first ``n`` held-out prompts, scored and checked ->
     ``{n, accuracy, reward_mean, [rm_score], reward/<name>..., completion_len, truncated_frac, reward_failures,
-    example}``."""
+    example}`` and the means of what the reward functions logged with ``log_metric``. ``source``: the training
+    run's (its ``trainer_state``), else a new one whose ``trainer_state`` counts ``steps_done`` steps."""
     ecfg = recipe.eval
-    source = source or reward_source(recipe, shared)
+    if source is None:
+        source = reward_source(recipe, shared)
+        source.trainer_state.global_step = steps_done
     # generated held-out sets grow to n (their first rows do not change); files are read whole
     data = prompt_data(recipe)
     prompts = load_prompts(data, shared.tokenizer, "eval", size=max(n, data.eval_size), recipe_path=recipe.source_path)
     k = min(n, len(prompts))
     completions, totals, rms, lengths, truncated, rule_scores = [], [], [], [], [], []
     failures: dict[str, str] = {}
+    logged: dict[str, tuple[float, int]] = {}  # what the reward functions logged with log_metric
     rollout_fn = make_step_rollout(recipe, shared, prompts)  # the same tool loop as training when recipe.agent
     agent_counts: dict[str, float] = {}
     for s in range(0, k, ecfg.batch_size):
@@ -95,14 +121,14 @@ def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source:
         r = sampled.rollout
         for key in AGENT_EVAL_KEYS & sampled.metrics.keys():  # per-trajectory rates, weighted by the batch's rows
             agent_counts[key] = agent_counts.get(key, 0.0) + sampled.metrics[key] * len(idx) / k
-        scored = source.score_rollout(prompts, r)
-        scored.total = sampled.total_reward(scored.total)
+        scored = sampled.score(source, prompts)  # + the environment's get_reward(), when it has one
         totals.append(scored.total)
         if scored.reward_model is not None:
             rms.append(scored.reward_model)
         if scored.rules is not None:
             rule_scores.append(scored.rules.per_function)
             failures.update(scored.rules.failures)
+            logged = pool_sums(logged, scored.rules.logged)
         completions += r.completions
         lengths += r.lengths.tolist()
         truncated += r.truncated.tolist()
@@ -129,6 +155,7 @@ def evaluate_role(shared: SharedBase, recipe: Recipe, role: str, n: int, source:
         example=completions[0] if completions else None,
     )
     out.update(agent_counts)
+    add_logged(out, {k: v / c for k, (v, c) in logged.items() if c}, LOG_METRIC_PREFIX)
     return out
 
 
@@ -148,10 +175,10 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
         shared = SharedBase.load(recipe.model)
     role = load_eval_adapter(shared, adapter)
     out = {"checkpoint": "base" if adapter is None else str(adapter)}
-    out.update(evaluate_role(shared, recipe, role, n))
+    out.update(evaluate_role(shared, recipe, role, n, steps_done=adapter_steps(adapter)))
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
-        (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")
+        write_atomic(adapter.parent / "eval.json", json.dumps(out, indent=2))
     return out
 
 

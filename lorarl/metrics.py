@@ -14,6 +14,7 @@ Each tracker is the library itself, imported only when chosen; one that is not i
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import RecipeError
+from lorarl.runfiles import open_nofollow, refuse_links, write_atomic
 from lorarl.runs import read_metrics
 
 TRACKERS = ("tensorboard", "trackio", "wandb")  # train.report_to values; each is also the package to install
@@ -68,7 +70,7 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         kwargs = {"purge_step": resume_step + 1} if resume_step is not None else {}
-        self.writer = SummaryWriter(str(run_dir / "tb"), **kwargs)
+        self.writer = SummaryWriter(str(refuse_links(run_dir / "tb")), **kwargs)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
@@ -170,10 +172,10 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = open_nofollow(self.path, "a")
         ids_path = self.run_dir / IDS_FILE
         ids = json.loads(ids_path.read_text()) if resume_step is not None and ids_path.is_file() else {}
         self.trackers: dict[str, Any] = {}
@@ -186,7 +188,7 @@ class MetricsLogger:
             self.close()
             raise
         if ids:
-            ids_path.write_text(json.dumps(ids), encoding="utf-8")
+            write_atomic(ids_path, json.dumps(ids))
 
     @classmethod
     def for_recipe(cls, run_dir: str | Path, recipe, resume_step: int | None = None) -> MetricsLogger:
@@ -256,6 +258,8 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None, panels: tup
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    write_atomic(out, png.getvalue())
     return out

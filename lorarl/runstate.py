@@ -14,7 +14,9 @@ there is no ``/proc``): a pid reused by another process after the run died has a
 never names a live run (and Stop never signals the wrong process). ``pgid`` is its process group. Where ``/proc``
 exists a file without ``proc_start`` names no live run (a forged or foreign file blocks nothing), and Stop
 (:func:`request_stop`) signals only a process whose start time and process group both match the file, never this
-process (and, asked by the workbench, no process of its own group) -- never a process picked by its name.
+process -- never a process picked by its name. All of these fields can be read, and so forged, by anyone who can write
+the folder: :func:`request_stop` is for a script's own run folder; the workbench signals only the processes it
+started itself (:mod:`lorarl.app.jobs`).
 
 ``DIR/state.json`` (written atomically at the start, after every step, and at the end)::
 
@@ -39,11 +41,11 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 from lorarl.errors import LorarlError
+from lorarl.runfiles import open_nofollow, write_atomic
 
 PID_FILE = "train.pid"
 STATE_FILE = "state.json"
@@ -62,23 +64,11 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (:func:`write_text_atomic`): a reader sees the old file or
-    the new one, never half of one."""
+    """Write ``data`` as JSON to ``path`` atomically (:func:`lorarl.runfiles.write_atomic`: a reader sees the old
+    file or the new one, never half of one; a link at ``path`` is refused)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(data))
+    write_atomic(path, json.dumps(data))
 
 
 def read_json(path: Path) -> dict | None:
@@ -169,6 +159,35 @@ def process_alive(pid: int, proc_start: int | None = None) -> bool:
     return proc_start is not None and proc_start_ticks(pid) == proc_start
 
 
+def process_owner(pid: int) -> int | None:
+    """The user id that owns process ``pid`` (the owner of ``/proc/PID``), None where there is no ``/proc``."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def describe_process(pid: int, width: int = 80) -> str:
+    """``pid 4242, `python -m lorarl.cli train ...`, user alice``: what a page shows of a process a ``train.pid``
+    names (its command line from ``/proc/PID/cmdline``, clipped to ``width``; its owner when it is not this user)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        command = " ".join(" ".join(a.decode("utf-8", "replace") for a in argv).split()).replace("`", "'")
+    except OSError:
+        command = ""
+    command = command if len(command) <= width else command[: width - 1] + "…"
+    text = f"pid {pid}" + (f", `{command}`" if command else "")
+    owner = process_owner(pid)
+    if owner is not None and owner != os.getuid():
+        import pwd
+
+        try:
+            text += f", user {pwd.getpwuid(owner).pw_name}"
+        except KeyError:
+            text += f", user id {owner}"
+    return text
+
+
 def live_pid(run_dir: str | os.PathLike) -> int | None:
     """The pid training ``run_dir`` now: ``DIR/train.pid`` exists, names this host, and its process is alive and is
     the one that wrote the file (:func:`process_alive` with the file's ``proc_start``); else None."""
@@ -184,11 +203,10 @@ def live_pid(run_dir: str | os.PathLike) -> int | None:
     return pid
 
 
-def stop_refusal(run_dir: str | os.PathLike, pid: int, not_my_group: bool = False) -> str | None:
+def stop_refusal(run_dir: str | os.PathLike, pid: int) -> str | None:
     """Why Stop must not signal ``pid`` (the live pid of ``run_dir``'s ``train.pid``), or None: it is this process,
     or its process group is not the one the file recorded (``pgid``; a file without one, where ``/proc`` exists,
-    names no group); with ``not_my_group`` (the workbench: its runs have their own session, a terminal's its own
-    job) also a process of this process's own group."""
+    names no group)."""
     if pid == os.getpid():
         return f"{run_dir}: train.pid names this process (pid {pid}); not signalled"
     try:
@@ -199,17 +217,15 @@ def stop_refusal(run_dir: str | os.PathLike, pid: int, not_my_group: bool = Fals
     recorded = info.get("pgid")
     if Path("/proc").is_dir() and (not isinstance(recorded, int) or recorded != group):
         return f"{run_dir}: process {pid} is in process group {group}, not the run's ({recorded}); not signalled"
-    if not_my_group and group == os.getpgrp():
-        return f"{run_dir}: process {pid} is in this process's own group {group}; not signalled"
     return None
 
 
-def request_stop(run_dir: str | os.PathLike, not_my_group: bool = False) -> bool:
+def request_stop(run_dir: str | os.PathLike) -> bool:
     """Ask the live run of ``run_dir`` to stop (SIGTERM: it finishes its step, saves a checkpoint, writes state
     ``stopped`` and exits 0). False when no process is training it, or when :func:`stop_refusal` gives a reason not
     to signal the one its ``train.pid`` names (the process is identified by start time and process group only)."""
     pid = live_pid(run_dir)
-    if pid is None or stop_refusal(run_dir, pid, not_my_group) is not None:
+    if pid is None or stop_refusal(run_dir, pid) is not None:
         return False
     try:
         os.kill(pid, signal.SIGTERM)
@@ -252,7 +268,10 @@ def check_not_live(run_dir: str | os.PathLike) -> None:
     checkpoints and metrics)."""
     pid = live_pid(run_dir)
     if pid is not None and pid != os.getpid():
-        raise LorarlError(f"{run_dir}: a run is training in this folder now (pid {pid}); stop it first")
+        raise LorarlError(
+            f"{run_dir}: a run is training in this folder now (pid {pid}); stop it first (or remove "
+            f"{Path(run_dir) / PID_FILE} if nothing trains it)"
+        )
 
 
 # --- stop on SIGTERM ----------------------------------------------------------------------------------------------
@@ -347,7 +366,7 @@ class CompletionsLog:
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _row_step(line) is not None]
             kept = [line for line in kept if _row_step(line) <= resume_step]
-            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
         self._file = None
@@ -357,7 +376,7 @@ class CompletionsLog:
         if not rows:
             return
         if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
+            self._file = open_nofollow(self.path, "a")
         for row in rows:
             self._file.write(json.dumps({"step": int(step), **row}, ensure_ascii=False) + "\n")
         self._file.flush()

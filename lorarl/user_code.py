@@ -1,19 +1,37 @@
 """User code named in a recipe: ``package.module:name`` or ``path/to/file.py:name`` -> the object.
 
 Reward functions (:mod:`lorarl.rewards.registry`) and tools and environments (:mod:`lorarl.agents.tools`) are named
-this way; one loader serves both, so the rules and the one-line errors are the same everywhere.
+this way; one loader serves both, so the rules and the one-line errors are the same everywhere. Inside
+:func:`guarded` (the workbench's doors, :mod:`lorarl.chat.consent`) each load first asks a check, which may refuse.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import importlib.util
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
 
 PYTHON_PREFIX = "python:"  # lorarl.inmemory.PREFIX (kept here so this module imports nothing of lorarl beyond errors)
+LoadCheck = Callable[[str, str, "str | Path | None"], None]
+_CHECK: contextvars.ContextVar[LoadCheck | None] = contextvars.ContextVar("lorarl_load_check", default=None)
+
+
+@contextlib.contextmanager
+def guarded(check: LoadCheck) -> Iterator[None]:
+    """Inside (in this thread), every :func:`load_object` first calls ``check(spec, what, recipe_path)``, which
+    raises to refuse the load: the workbench runs a run folder's code only where the user allowed it
+    (:meth:`lorarl.chat.consent.CodeConsent.check_load`), whatever path inside a door reaches the loader."""
+    token = _CHECK.set(check)
+    try:
+        yield
+    finally:
+        _CHECK.reset(token)
 
 
 def load_object(spec: str, what: str, recipe_path: str | Path | None = None, noun: str = "") -> Any:
@@ -35,6 +53,9 @@ def load_object(spec: str, what: str, recipe_path: str | Path | None = None, nou
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise LorarlError(f"{what} {spec!r}: expected module:name or path/to/file.py:name")
+    check = _CHECK.get()
+    if check is not None:  # inside a workbench door (guarded): refused unless the user allowed exactly this code
+        check(spec, what, recipe_path)
     try:
         if module_name.endswith(".py"):
             path = Path(module_name).expanduser()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from lorarl.algos.loop import train
 from lorarl.cli import main
-from lorarl.config import DataConfig, load_recipe, recipe_from_dict
+from lorarl.config import DataConfig, LoraSettings, load_recipe, recipe_from_dict
 from lorarl.data.pairs import implicit_text_prompt, load_pairs, skipped_summary
 from lorarl.errors import DataError, RecipeError
 from lorarl.runs import read_metrics
@@ -363,7 +363,9 @@ def test_nothing_usable_is_one_line_and_exit_2(tiny_model_dir, tmp_path, capsys)
 
 def test_recipe_checks(tiny_model_dir, tmp_path):
     base = yaml.safe_load(dpo_recipe(tiny_model_dir, tmp_path).read_text())
-    with pytest.raises(RecipeError, match="dpo.label_smoothing applies to loss_type sigmoid and simpo only, not hinge"):
+    with pytest.raises(
+        RecipeError, match="dpo.label_smoothing applies to loss_type sigmoid, simpo, robust, .* not hinge"
+    ):
         recipe_from_dict({**base, "dpo": {"loss_type": "hinge", "label_smoothing": 0.1}})
     with pytest.raises(RecipeError, match="dpo.label_smoothing"):
         recipe_from_dict({**base, "dpo": {"label_smoothing": 0.5}})
@@ -399,3 +401,91 @@ def test_auto_micro_batch_is_the_planners_pick(tiny_model_dir, tmp_path):
     recipe = load_recipe(path)
     algo = make_algorithm(recipe, SharedBase.load(recipe.model))
     assert algo.mbs == resolve_micro_batch(recipe, device_type="cpu") == 8
+
+
+# ---- TRL 1.16's other loss types and options (WPO, LD-DPO, f-DPO) through the model ----------------------------------
+
+
+def test_wpo_and_ld_scoring_from_the_policys_forward_equal_the_models_own_logits(tiny_shared):
+    """response_logps with WPO and LD-DPO (one forward, the prompt shared by a pair's rows, a chunk of logits at a
+    time) against the model's own forward, one row at a time: sum_t w_t log p(y_t) with LD's weights (1 up to the
+    pair's shorter response, alpha after) and WPO's exp(mean_t (log p(y_t) - log sum_v p_v^2)). Without gradients
+    (the reference's path) and with them (the policy's: the chunk's custom autograd function)."""
+    from lorarl.algos.dpo_scoring import Scoring, response_logps, token_rows
+
+    prompts = [[1, 17, 42, 9], [1, 23, 5]]
+    chosen, rejected = [[30, 31, 32, 2], [40, 2]], [[50, 2], [60, 61, 62, 63, 2]]
+    tokens = token_rows(prompts * 2, chosen + rejected, [0, 1, 0, 1], tiny_shared.pad_id)
+    alpha = 0.3
+    want_ld, want_plain, want_w = [], [], []
+    with tiny_shared.role("base"):
+        for p, y, partner in zip(prompts * 2, chosen + rejected, rejected + chosen):
+            ids = torch.tensor([p + y])
+            logp = torch.log_softmax(tiny_shared.module(input_ids=ids).logits.float()[0, len(p) - 1 : -1], -1)
+            lp = logp.gather(-1, torch.tensor(y)[:, None])[:, 0]  # [|y|]
+            w = torch.tensor([1.0 if t < min(len(y), len(partner)) else alpha for t in range(len(y))])
+            want_ld.append(float((lp * w).sum()))
+            want_plain.append(float(lp.sum()))
+            want_w.append(math.exp(float((lp - torch.logsumexp(2 * logp, -1)).mean())))
+    scoring = Scoring(ld_alpha=alpha, wpo=True)
+    with torch.no_grad(), tiny_shared.role("base"):
+        got = response_logps(tiny_shared, tokens, 0, scoring)
+    for name, want in (("logps", want_ld), ("full", want_plain), ("wpo", want_w)):
+        assert getattr(got, name).tolist() == pytest.approx(want, rel=1e-5, abs=1e-6), name
+    assert got.counts.tolist() == [4, 2, 2, 5]
+    assert want_ld != pytest.approx(want_plain)  # the LD weighting changed the longer responses' sums
+    tiny_shared.add_adapter("policy", LoraSettings(r=4, alpha=8.0, dropout=0.0))  # B = 0: the base's values
+    with tiny_shared.role("policy", train=True):
+        got = response_logps(tiny_shared, tokens, 0, scoring)
+        assert got.logps.requires_grad and not got.wpo.requires_grad  # WPO's weights are detached, as TRL's
+        got.logps.sum().backward()
+    assert got.wpo.tolist() == pytest.approx(want_w, rel=1e-5) and got.logps.tolist() == pytest.approx(
+        want_ld, rel=1e-5
+    )
+
+
+def test_a_new_loss_type_with_wpo_and_ld_trains_one_step(tiny_model_dir, tmp_path):
+    """apo_zero with WPO's weights and LD-DPO, one step, through the recipe: at step 1 the policy is the reference
+    (LoRA B = 0), so every log-ratio is 0 and apo_zero's loss per pair is (1 - sigmoid(0)) + sigmoid(0) = 1: the
+    step's loss is the mean WPO weight, logged as wpo/weight; the update moved the adapter."""
+    path = dpo_recipe(
+        tiny_model_dir,
+        tmp_path,
+        dpo={"loss_type": "apo_zero", "use_weighting": True, "ld_alpha": 0.5, "task_source": None},
+        train={"steps": 1},
+        eval={"every": 0},
+    )
+    summary = train(load_recipe(path), tmp_path / "run")
+    row = read_metrics(tmp_path / "run")[0]
+    # a near-uniform random model: each weight exp(mean_t log(p(y_t) / sum_v p_v^2)) is near 1, not 1
+    assert abs(row["wpo/weight"] - 1) > 1e-3 and row["loss"] == pytest.approx(row["wpo/weight"], rel=1e-5)
+    assert row["grad_norm"] > 0 and summary["loss_type"] == "apo_zero"
+    assert summary["preference_accuracy"] is not None  # the held-out evaluation ran with the same options
+
+
+@pytest.mark.parametrize(
+    "dpo, line",
+    [
+        ({"loss_type": "exo_pair"}, "dpo.label_smoothing must be > 0 with loss_type exo_pair"),
+        (
+            {"loss_type": "apo_zero", "f_divergence_type": "js_divergence"},
+            "dpo.f_divergence_type js_divergence applies",
+        ),
+        ({"loss_type": "aot", "use_weighting": True}, "dpo.use_weighting WPO's per-pair weights do not apply"),
+        ({"loss_type": ["sigmoid", "sft"], "use_weighting": True}, "do not apply to loss_type sft"),
+        ({"ld_alpha": 1.5}, "dpo.ld_alpha must be in"),
+        ({"discopop_tau": 0}, "dpo.discopop_tau must be > 0"),
+        ({"f_divergence_type": "chi2"}, "dpo.f_divergence_type must be one of"),
+    ],
+)
+def test_new_option_checks(tiny_model_dir, tmp_path, dpo, line):
+    base = yaml.safe_load(dpo_recipe(tiny_model_dir, tmp_path).read_text())
+    with pytest.raises(RecipeError, match=line):
+        recipe_from_dict({**base, "dpo": dpo})
+
+
+def test_sorted_losses_need_a_fixed_micro_batch(tiny_model_dir, tmp_path):
+    base = yaml.safe_load(dpo_recipe(tiny_model_dir, tmp_path).read_text())
+    with pytest.raises(RecipeError, match="train.micro_batch_size must be a number with dpo.loss_type aot"):
+        recipe_from_dict({**base, "dpo": {"loss_type": "aot"}, "train": {"micro_batch_size": "auto"}})
+    assert recipe_from_dict({**base, "dpo": {"loss_type": "aot_unpaired"}}).dpo.needs_reference

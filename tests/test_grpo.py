@@ -4,6 +4,7 @@ reward failures and non-finite steps; the reference role (bare base, init adapte
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 import pytest
@@ -176,9 +177,15 @@ def test_failing_reward_stops_the_run_with_a_clear_message(peaky_model_dir, rewa
     recipe = tiny_recipe(
         peaky_model_dir, reward_file, reward={"functions": [{"name": f"{reward_file}:boom"}]}, train={"steps": 10}
     )
-    with pytest.raises(LorarlError, match=r"failed in 4 of 4 calls .*reward service down"):
+    with pytest.raises(
+        LorarlError,
+        match=r"^reward boom failed on every call of 2 steps in a row \(steps 1-2; reward.max_failed_steps=2\): "
+        r"RuntimeError: reward service down$",
+    ):
         train(recipe, tmp_path / "run")
-    assert len(read_metrics(tmp_path / "run")) == 3  # steps 1-3 ran (and were logged) before the stop
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1]  # step 2 stopped after its scoring, before it trained
+    assert rows[0]["trained_rows"] == 0 and rows[0]["reward_failures"] == 1
 
 
 def test_occasional_reward_failures_are_isolated_and_counted(peaky_model_dir, reward_file, tmp_path):
@@ -345,6 +352,7 @@ def trained_adapter(model_dir, folder, dropout: float = 0.1, r: int = 8):
 def test_lora_dropout_does_not_bias_the_first_ratio(peaky_model_dir, reward_file, monkeypatch, tmp_path):
     """Old log-probs are recorded without dropout and the update's forward runs without it too: with
     lora.dropout 0.1 and num_iterations 2 the first iteration's ratio is 1 (it was 0.71-1.10 with dropout on)."""
+    from lorarl.algos import grpo_losses
     from lorarl.algos.grpo import GRPO
 
     init = trained_adapter(peaky_model_dir, tmp_path / "init", dropout=0.1)
@@ -355,7 +363,7 @@ def test_lora_dropout_does_not_bias_the_first_ratio(peaky_model_dir, reward_file
         lora={"dropout": 0.1},
         grpo={"group_size": 4, "num_iterations": 2},
     )
-    seen = _first_ratios(monkeypatch, grpo)
+    seen = _first_ratios(monkeypatch, grpo_losses)
     algo = GRPO(recipe, SharedBase.load(recipe.model))
     torch.manual_seed(0)
     algo.step(algo.batch(1))
@@ -472,3 +480,31 @@ def test_generation_batch_size_splits_a_training_rollout(peaky_model_dir, reward
         rollout, _ = algo.sample_round(batch.prompt_index, 1, record_sampler=False)
         assert decoded == want and scored == want, (batch_size, decoded, scored)
         assert len(rollout) == 12 and rollout.prompt_index == [i for i in batch.prompt_index for _ in range(4)]
+
+
+@pytest.mark.parametrize(
+    "grpo, metric",
+    [
+        ({"policy_loss": "cispo", "loss_reduction": "token_mean", "cispo_eps_max": 1.0}, "cispo_clip_ratio"),
+        ({"policy_loss": "vespo", "loss_reduction": "token_mean"}, "vespo/phi_seq_mean"),
+    ],
+)
+def test_a_new_policy_loss_trains_one_step(peaky_model_dir, reward_file, tmp_path, grpo, metric):
+    """TRL's cispo and vespo through a recipe, one step of two updates on one rollout (num_iterations 2): the second
+    update sees the first one's ratios, so CISPO's cap (1.0: every token whose probability rose, with A > 0) clips
+    some tokens, and VESPO's gamma weight leaves 1 -- both logged by TRL's names; PPO's clip metrics are absent."""
+    recipe = tiny_recipe(
+        peaky_model_dir,
+        reward_file,
+        train={"steps": 1, "prompts_per_step": 4, "micro_batch_size": 16},
+        grpo={"group_size": 4, "num_iterations": 2, **grpo},
+        generation={"max_new_tokens": 3},
+    )
+    train(recipe, tmp_path / "run")
+    row = read_metrics(tmp_path / "run")[0]
+    assert row["reward_std"] > 0 and row["grad_norm"] > 0 and math.isfinite(row["loss"])
+    assert row["clip_ratio/high_mean"] is None  # no PPO clip ran
+    if metric == "cispo_clip_ratio":
+        assert 0 < row[metric] < 1
+    else:
+        assert row[metric] > 0 and abs(row[metric] - 1) > 1e-6

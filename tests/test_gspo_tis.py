@@ -96,13 +96,16 @@ def _trl_loss(
     """TRL's own ``GRPOTrainer._compute_loss`` (trl/trainer/grpo_trainer.py), called unbound on a lightweight
     object that holds exactly the attributes it reads; the model forward is replaced by the given log-probs.
     ``more``: ``loss_type`` (default grpo), ``entropies`` ``[B, T]`` with ``entropy_coef`` (the bonus), ``accum``
-    (TRL's gradient accumulation steps) and ``max_completion_length`` (dr_grpo's constant)."""
+    (TRL's gradient accumulation steps), ``max_completion_length`` (dr_grpo's constant), ``num_items_in_batch``
+    (dapo / cispo / vespo's normaliser: the loss tokens of the accumulated batch) and ``args`` (more GRPOConfig
+    fields: sapo's temperatures, vespo's parameters)."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     B, T = lp.shape
     ent = more.get("entropies", torch.zeros(B, T, dtype=lp.dtype))
     fake = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None),
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # VESPO's (a static method)
         entropy_coef=more.get("entropy_coef", 0.0),
         use_adaptive_entropy=False,
         max_completion_length=more.get("max_completion_length", T),
@@ -114,7 +117,12 @@ def _trl_loss(
         loss_type=more.get("loss_type", "grpo"),
         epsilon_low=eps_low,
         epsilon_high=eps_high,
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=bias_kl),
+        args=types.SimpleNamespace(
+            delta=None,
+            use_bias_correction_kl=bias_kl,
+            steps_per_generation=more.get("accum", 1),
+            **more.get("args", {}),
+        ),
         use_vllm=is_ratio is not None,
         vllm_importance_sampling_correction=is_ratio is not None,
         model=types.SimpleNamespace(training=True),
@@ -130,6 +138,7 @@ def _trl_loss(
         completion_mask=mask.to(lp.dtype),
         advantages=adv,
         old_per_token_logps=old,
+        num_items_in_batch=torch.tensor(float(more.get("num_items_in_batch", mask.sum()))),
     )
     if ref is not None:
         inputs["ref_per_token_logps"] = ref

@@ -15,6 +15,7 @@ LAYERS = {
     # 0: foundations, no model and no torch state
     "errors": 0,
     "user_code": 0,
+    "runfiles": 0,  # writing in a run folder without following links
     "inmemory": 0,  # the Python door's objects by python:NAME, looked up by user_code and data
     "core": 0,
     "config": 0,

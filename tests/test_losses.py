@@ -321,7 +321,10 @@ def test_reduce_loss_hand_values():
         reduce_loss(per_token, mask, "seq_sum_norm", total_rows=0, total_sequences=2, total_tokens=3, max_len=4)
 
 
-@pytest.mark.parametrize("mode", sorted(LOSS_REDUCTIONS))
+SPLIT_INVARIANT = sorted(set(LOSS_REDUCTIONS) - {"micro_batch_token_mean"})  # BNPO normalises per micro-batch
+
+
+@pytest.mark.parametrize("mode", SPLIT_INVARIANT)
 def test_reduce_loss_micro_batches_sum_to_full_batch_values_and_gradients(mode):
     g = torch.Generator().manual_seed(11)
     B, T, max_len = 7, 9, 12
@@ -359,6 +362,21 @@ def test_reduce_loss_modes_differ_and_match_definitions():
     close(reduce_loss(per_token, mask, "seq_mean_token_mean", **kw), sum(sum(r) / len(r) for r in rows) / 4)
     close(reduce_loss(per_token, mask, "token_mean", **kw), sum(sum(r) for r in rows) / 12)
     close(reduce_loss(per_token, mask, "seq_sum_norm", **kw), sum(sum(r) for r in rows) / 40)
+    close(reduce_loss(per_token, mask, "seq_mean_token_sum", **kw), sum(sum(r) for r in rows) / 4)  # LUSPO
+    close(reduce_loss(per_token, mask, "micro_batch_token_mean", **kw), sum(sum(r) for r in rows) / 12)  # one mb
+
+
+def test_micro_batch_token_mean_is_each_micro_batch_token_mean_weighted_by_rows():
+    """BNPO (TRL's ``bnpo``): each micro-batch's own token mean, times its share of the batch's rows -- so, unlike
+    the other reductions, the split changes the loss. Hand values: rows of 2 and 1 tokens in micro-batch 1, of 3
+    and 1 in micro-batch 2 (2 rows each, of 4): ``(1 + 2 + 3) / 3 * 2/4 + (4 + 5 + 6 + 8) / 4 * 2/4 = 1 + 2.875``;
+    as one micro-batch, the token mean ``29 / 7``."""
+    per_token = torch.tensor([[1.0, 2.0, 0.0], [3.0, 9.0, 9.0], [4.0, 5.0, 6.0], [8.0, 7.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    kw = dict(total_rows=4, total_sequences=4, total_tokens=7, max_len=3)
+    parts = [reduce_loss(per_token[r], mask[r], "micro_batch_token_mean", **kw) for r in (slice(0, 2), slice(2, 4))]
+    close(sum(parts), 1.0 + 2.875)
+    close(reduce_loss(per_token, mask, "micro_batch_token_mean", **kw), 29.0 / 7)
 
 
 def test_losses_do_not_modify_arguments():

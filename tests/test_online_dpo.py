@@ -241,16 +241,16 @@ def test_from_an_adapter_it_is_also_the_frozen_reference(peaky_model_dir, reward
 
 def test_a_failing_reward_is_counted_and_bounded(peaky_model_dir, reward_file, tmp_path):  # noqa: F811
     """A reward function that raises every call: its values are NaN (no pair, no update), and the run stops with
-    one line once the failures pass reward.max_failure_fraction, as GRPO does."""
+    one line at the second step in a row without a value (reward.max_failed_steps), as GRPO does."""
     from lorarl.errors import LorarlError
 
     recipe = online_recipe(
         peaky_model_dir, reward_file, reward={"functions": [{"name": f"{reward_file}:boom"}]}, train={"steps": 10}
     )
-    with pytest.raises(LorarlError, match=r"failed in 4 of 4 calls .*reward service down"):
+    with pytest.raises(LorarlError, match=r"^reward boom failed on every call of 2 steps in a row .*service down$"):
         train(recipe, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
-    assert len(rows) == 3 and all(r["pairs"] == 0 and r["pairs/ties"] == 8 for r in rows)  # NaN rewards: no pair
+    assert len(rows) == 1 and all(r["pairs"] == 0 and r["pairs/ties"] == 8 for r in rows)  # NaN rewards: no pair
 
 
 def test_a_group_of_four_trains_its_best_against_its_worst(peaky_model_dir, tmp_path):  # noqa: F811

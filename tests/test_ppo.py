@@ -498,7 +498,9 @@ def test_reward_source_both_leaves_a_row_without_a_rule_value_out(monkeypatch):
     src.shared, src.batch_size, src.uses_rm, src.uses_rules, src.model_weight = (
         types.SimpleNamespace(end_of_turn_id=2), 4, True, True, 0.5
     )  # fmt: skip
-    src.rules = types.SimpleNamespace(score_rollout=lambda p, r: RewardScores(rules[:, None], rules, ["f"]))
+    src.rules = types.SimpleNamespace(
+        score_rollout=lambda p, r, environments=None: RewardScores(rules[:, None], rules, ["f"])
+    )
     monkeypatch.setattr(source, "reward_model_scores", lambda *a: torch.tensor([10.0, 20.0, 30.0]))
     total = src.score_rollout(None, rollout).total
     torch.testing.assert_close(total, torch.tensor([6.0, float("nan"), 18.0]), equal_nan=True)

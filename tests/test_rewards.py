@@ -211,7 +211,6 @@ def test_all_none_row_total_is_nan():
         (lambda prompts, completions, **kw: [1.0], "returned 1 values for 2"),
         (lambda prompts, completions, **kw: "nope", "expected a list"),
         (lambda prompts, completions, **kw: ["x", 1.0], "non-number"),
-        (lambda prompts, completions, **kw: [float("inf"), 1.0], "infinite"),
     ],
 )
 def test_failing_reward_is_isolated_and_counted(bad, error):
@@ -224,6 +223,40 @@ def test_failing_reward_is_isolated_and_counted(bad, error):
     assert error in s.failures["format"]
     assert (scorer.calls, scorer.failures) == (2, 1)
     assert scorer.failure_fraction == 0.5
+
+
+@pytest.mark.parametrize(
+    "value, weight, why",
+    [
+        (float("inf"), 1.0, "returned inf, not a finite float32"),
+        (-float("inf"), 1.0, "returned -inf, not a finite float32"),
+        (1e300, 1.0, "returned 1e+300, not a finite float32"),  # finite in Python, inf in float32
+        (10**400, 1.0, "returned inf, not a finite float32"),  # an int past float64
+        (3e38, 2.0, "returned 3e+38, x weight 2 past float32"),  # finite alone, its weighted value is not
+    ],
+)
+def test_a_non_finite_value_is_a_failed_value_named_as_the_rewards(value, weight, why):
+    """A value that is not a finite float32 (or whose weighted value is not) is a failed value of its function:
+    NaN (left out, never inf in the total, so the group's advantages stay finite), counted, its failure named."""
+    scorer = RewardScorer([RewardSpec(name="numeric_match"), RewardSpec(name="format", weight=weight)])
+    scorer.fns[1] = lambda prompts, completions, **kw: [value, 0.5]
+    s = scorer(["p", "q"], ["68", "5"], {"answer": ["68", "6"]})
+    assert math.isnan(s.per_function[0, 1]) and s.per_function[1, 1] == 0.5
+    assert s.total.tolist() == [1.0, 0.5 * weight]  # row 0: numeric_match alone
+    assert s.failures == {"format": f"1 of 2 values failed ({why})"}
+    assert (scorer.failures, scorer.failed_values, scorer.values) == (0, [0, 1], [2, 2])
+    assert s.usable() == [2, 1]
+
+
+def test_a_weighted_total_past_float32_is_left_out_and_named():
+    """Two finite weighted values whose sum is past float32 (3e38 + 3e38): the row's total is NaN, not inf, and the
+    function with the largest weighted value is named."""
+    scorer = RewardScorer([RewardSpec(name="numeric_match"), RewardSpec(name="format")])
+    scorer.fns[0] = lambda prompts, completions, **kw: [3e38, 1.0]
+    scorer.fns[1] = lambda prompts, completions, **kw: [2e38, 1.0]
+    s = scorer(["p", "q"], ["a", "b"])
+    assert math.isnan(s.total[0]) and s.total[1] == 2.0
+    assert s.failures == {"numeric_match": "a weighted total of 5e+38 past float32 (row 0)"}
 
 
 def test_timeout_interrupts_a_hanging_reward():

@@ -133,9 +133,10 @@ def test_nan_values_are_failed_values_none_is_not():
     state = scorer.state_dict()
     again = scorer_with(half_nan)
     again.load_state_dict(state)
-    assert again.state_dict() == state == {"calls": 4, "failures": 0, "values": [16], "failed_values": [4]}
+    assert again.state_dict() == state == {"batches": 4, "call_failures": [0], "values": [16], "failed_values": [4]}
     again.load_state_dict({"calls": 3, "failures": 1})  # a checkpoint from before per-value counting
     assert (again.values, again.failed_values) == ([0], [0])
+    assert (again.calls, again.call_failures) == (3, [1])  # one function: the failures were its own
 
 
 def test_call_budget_names_the_recipe_key():
@@ -145,8 +146,38 @@ def test_call_budget_names_the_recipe_key():
     scorer = scorer_with(boom)
     for _ in range(4):
         s = scorer(["p"], ["a"])
-    with pytest.raises(LorarlError, match=r"failed in 4 of 4 calls \(100% > reward.max_failure_fraction=0.5\)"):
+    with pytest.raises(
+        LorarlError, match=r"^reward format failed in 4 of its 4 calls \(100% > reward.max_failure_fraction=0.5\)"
+    ):
         scorer.check_failure_budget(0.5, s.failures)
+
+
+def test_call_budget_is_per_function():
+    """One always-failing function of two is 100% of ITS calls (it was 50% of all calls, not above the default 0.5:
+    the run trained on the other function for good); a function failing on every 2nd call is 50%, not above."""
+    calls = []
+
+    def flaky(prompts, completions, **kw):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("every other call")
+        return [0.0] * len(completions)
+
+    def boom(prompts, completions, **kw):
+        raise RuntimeError("down")
+
+    scorer = RewardScorer([RewardSpec(name="format"), RewardSpec(name="format")])
+    scorer.fns = [flaky, boom]
+    for _ in range(3):
+        scorer(["p"], ["a"])
+        scorer.check_failure_budget(0.5)  # fewer than 4 calls: not judged yet
+    scorer(["p"], ["a"])
+    assert (scorer.calls, scorer.call_failures, scorer.failure_fraction) == (8, [2, 4], 0.75)
+    with pytest.raises(LorarlError, match=r"^reward format_1 failed in 4 of its 4 calls \(100% >"):
+        scorer.check_failure_budget(0.5)
+    scorer.fns = [flaky, flaky]
+    scorer.call_failures = [2, 2]
+    scorer.check_failure_budget(0.5)  # 2 of 4 each: 50%, not above 0.5
 
 
 # ---- remote rewards ---------------------------------------------------------------------------------------------

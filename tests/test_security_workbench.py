@@ -1,6 +1,6 @@
 """Issue 34's workbench findings, each attack reproduced and refused with one line, nothing run or written outside
 the allowed folders: code named by a run folder (a chat reward, a chat pane's tools, Resume and a crafted
-launch.json) runs only after consent; a symlinked run name; a forged train.pid and Stop by name; a name with a
+launch.json) runs only after consent; a symlinked run name; a forged train.pid (never signalled); a name with a
 trailing newline, a seed of 1e30, a vote on a forged answer, a message longer than the model reads, and a relative
 ``file.py:`` reward looked up in the working folder (tiny model, answers of 4 tokens)."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -159,7 +158,7 @@ def fields(pid: int) -> dict:
     return {"proc_start": runstate.proc_start_ticks(pid), "pgid": os.getpgid(pid)}
 
 
-def test_a_forged_train_pid_blocks_nothing_and_stop_signals_only_the_run_by_start_time_and_group(tmp_path):
+def test_a_forged_train_pid_blocks_nothing_and_stop_never_signals_a_process_a_train_pid_names(tmp_path):
     runs = tmp_path / "runs"
     runner = jobs.JobRunner(runs, [SHIPPED])
     pid_file(runs / "forged", os.getpid())  # no proc_start: the app's own pid, as the review forged it
@@ -169,23 +168,18 @@ def test_a_forged_train_pid_blocks_nothing_and_stop_signals_only_the_run_by_star
         runner.stop("forged")
     pid_file(runs / "forged", os.getpid(), **fields(os.getpid()))  # this process, start time and group right
     assert runner.live() is None
-    with pytest.raises(LorarlError, match="run forged: not stopped: train.pid names this process"):
+    with pytest.raises(LorarlError, match=f"run forged: not stopped: its train.pid names pid {os.getpid()}, "):
         runner.stop("forged")
     mine, other = sleeper(new_session=False), sleeper(new_session=True)
     try:
-        pid_file(runs / "forged", mine.pid, **fields(mine.pid))  # a process of the app's own group
-        with pytest.raises(LorarlError, match=f"not stopped: process {mine.pid} is in this process's own group"):
-            runner.stop("forged")
-        pid_file(runs / "forged", other.pid, proc_start=fields(other.pid)["proc_start"])  # no group recorded
-        with pytest.raises(LorarlError, match="not the run's"):
-            runner.stop("forged")
         pid_file(runs / "forged", other.pid, **{**fields(other.pid), "proc_start": fields(other.pid)["proc_start"] + 1})
         assert runner.live() is None  # another start time: a reused pid, no run
+        for proc in (mine, other):  # a process of the app's own group, one in its own: every field right
+            pid_file(runs / "forged", proc.pid, **fields(proc.pid))
+            with pytest.raises(LorarlError, match=f"not stopped: its train.pid names pid {proc.pid}, .* did not start"):
+                runner.stop("forged")
+        assert runner.live() == runs / "forged"  # (counted for the one-job rule until a press goes past it)
         assert mine.poll() is None and other.poll() is None  # nothing was signalled
-        pid_file(runs / "forged", other.pid, **fields(other.pid))  # what write_pid writes for a real run
-        assert runner.live() == runs / "forged"
-        assert "asked run forged to stop" in runner.stop("forged")
-        assert other.wait(timeout=10) == -signal.SIGTERM and mine.poll() is None
     finally:
         for p in (mine, other):
             p.kill()

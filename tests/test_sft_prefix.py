@@ -48,16 +48,24 @@ def full_logits_nll(shared: SharedBase, data, rows: list[int]) -> torch.Tensor:
     return -(lp * lmask).sum() / lmask.sum()
 
 
+def sft_with_lora_moved(recipe) -> SFT:
+    """SFT's set-up on its own base, the LoRA weights moved off their init (a non-zero B, so the gradient reaches
+    every LoRA matrix), seeded."""
+    shared = SharedBase.load(recipe.model)
+    torch.manual_seed(0)
+    algo = SFT(recipe, shared)
+    with torch.no_grad():
+        for p in algo.policy.params:
+            p.add_(torch.randn_like(p) * 0.05)
+    return algo
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])  # shared KV cache / packs behind one prefix
 def test_shared_prefix_loss_and_gradients_equal_the_full_logits_path(tiny_model_dir, checkpointing):
     recipe = _recipe(tiny_model_dir)
     recipe.model.gradient_checkpointing = checkpointing
-    shared = SharedBase.load(recipe.model)
-    torch.manual_seed(0)
-    algo = SFT(recipe, shared)
-    with torch.no_grad():  # a non-zero LoRA B so the gradient reaches every LoRA matrix
-        for p in algo.policy.params:
-            p.add_(torch.randn_like(p) * 0.05)
+    algo = sft_with_lora_moved(recipe)
+    shared = algo.shared
     data, rows = algo.data, [0, 1, 2, 3]
     assert common_prefix([data.prompt_ids[i] for i in rows]) > 100  # the system prompt with the tool's schema
     total = sum(sum(data.loss_masks[i]) for i in rows)

@@ -27,6 +27,7 @@ from lorarl.trl import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, SFTTr
 from lorarl.trl.fields import (
     DOC_END,
     DOC_START,
+    DPO_LOSS_TYPES,
     KEEP_ALL,
     TABLE,
     Map,
@@ -69,6 +70,7 @@ DATASETS = {
         {"prompt": [USER], "completion": [{"role": "assistant", "content": "\\boxed{2}"}], "label": True},
         {"prompt": [USER], "completion": [{"role": "assistant", "content": "\\boxed{3}"}], "label": False},
     ],
+    "text": [{"text": "A quiet, patient film."}, {"text": "Loud, dumb and fun."}],  # stanfordnlp/imdb's column
 }
 # quick start -> (dataset, output_dir suffix, trained adapter folder, TRL metric names the run logs)
 RUNS = {
@@ -106,6 +108,7 @@ RUNS = {
         "policy",
         ["loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"],
     ),
+    "sft_text": ("text", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
     "reward": ("dpo", "Reward", "reward", ["loss", "accuracy", "margin", "learning_rate"]),
 }
 
@@ -312,7 +315,7 @@ def test_grpo_defaults_follow_trl(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("field", "value", "line"),
     [
-        ("loss_type", "sapo", "GRPOConfig.loss_type='sapo': lorarl's GRPO losses are grpo, dapo and dr_grpo"),
+        ("loss_type", "gspo", "GRPOConfig.loss_type='gspo': TRL 1.16's GRPO loss types are grpo, dapo, dr_grpo"),
         ("per_device_train_batch_size", 6, "GRPOConfig.per_device_train_batch_size=6: x gradient_accumulation_steps"),
         ("lr_scheduler_type", "polynomial", "GRPOConfig.lr_scheduler_type='polynomial': lorarl's schedules are"),
         ("report_to", ["mlflow"], "GRPOConfig.report_to=['mlflow']: lorarl logs to tensorboard, trackio, wandb"),
@@ -323,6 +326,38 @@ def test_grpo_defaults_follow_trl(tiny_model_dir, tmp_path):
 def test_mapped_fields_refuse_what_lorarl_does_not_do(field, value, line, tiny_model_dir, tmp_path):
     with pytest.raises(Refused, match="^" + line.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         _grpo(tiny_model_dir, tmp_path, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "loss_type, policy, reduction",
+    [
+        ("grpo", "clip", "seq_mean_token_mean"),
+        ("dapo", "clip", "token_mean"),
+        ("dr_grpo", "clip", "seq_sum_norm"),
+        ("bnpo", "clip", "micro_batch_token_mean"),
+        ("luspo", "clip", "seq_mean_token_sum"),
+        ("cispo", "cispo", "token_mean"),
+        ("sapo", "sapo", "seq_mean_token_mean"),
+        ("vespo", "vespo", "token_mean"),
+    ],
+)
+def test_every_trl_grpo_loss_type_maps(loss_type, policy, reduction, tiny_model_dir, tmp_path):
+    """Each of TRL 1.16's GRPO loss types is two recipe keys; the loss parameters TRL reads travel with it."""
+    extra = {
+        "cispo": {"epsilon_high": 5.0},
+        "sapo": {"sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2},
+        "vespo": {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.0, "vespo_lambda_neg": 1.5},
+    }.get(loss_type, {})
+    _, r = _grpo(tiny_model_dir, tmp_path, loss_type=loss_type, **extra)
+    assert (r.grpo.policy_loss, r.grpo.loss_reduction) == (policy, reduction)
+    for field, value in extra.items():
+        key = "cispo_eps_max" if field == "epsilon_high" else field
+        assert getattr(r.grpo, key) == value, field
+
+
+def test_cispo_reads_trls_epsilon_when_epsilon_high_is_none(tiny_model_dir, tmp_path):
+    _, r = _grpo(tiny_model_dir, tmp_path, loss_type="cispo", epsilon=0.3)  # TRL caps the ratio at 0.3 then: so do we
+    assert r.grpo.cispo_eps_max == 0.3
 
 
 def test_grpo_reference_refresh_maps_with_alpha_one(tiny_model_dir, tmp_path):
@@ -360,6 +395,42 @@ def test_dpo_sft_reward_fields_land_in_the_recipe(tiny_model_dir, tmp_path):
     args.max_length = 300
     r = load_recipe(SFTTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["sft"]).recipe)
     assert r.algo == "sft" and r.sft.max_length == 300 and r.train.learning_rate == 2e-5
+
+
+def _dpo(tiny_model_dir, tmp_path, **kw):
+    from lorarl.api import load_recipe
+
+    args = default_config(trl.DPOConfig, str(tmp_path / "dpo"))
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return load_recipe(DPOTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["dpo"] * 4).recipe)
+
+
+def test_every_trl_dpo_loss_type_and_option_maps(tiny_model_dir, tmp_path):
+    from lorarl.core.preference_losses import PREFERENCE_LOSSES
+
+    for name in DPO_LOSS_TYPES:  # every type TRL 1.16's DPOTrainer has, by its name (sft beside another)
+        types = [name, "sigmoid"] if name == "sft" else [name]
+        smoothing = 0.001 if name == "exo_pair" else 0.0
+        r = _dpo(tiny_model_dir, tmp_path, loss_type=types, label_smoothing=smoothing)
+        assert r.dpo.loss_types == tuple(types) and all(t in PREFERENCE_LOSSES or t == "sft" for t in types)
+    r = _dpo(
+        tiny_model_dir, tmp_path, loss_type=["robust", "sft"], loss_weights=[1.0, 0.2], label_smoothing=0.1,
+        f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3, ld_alpha=0.5, discopop_tau=0.1,
+    )  # fmt: skip
+    d = r.dpo
+    assert (d.f_divergence_type, d.f_alpha_divergence_coef, d.ld_alpha, d.discopop_tau) == (
+        "alpha_divergence",
+        0.3,
+        0.5,
+        0.1,
+    )
+    assert d.losses == (("robust", 1.0), ("sft", 0.2)) and d.label_smoothing == 0.1
+    assert _dpo(tiny_model_dir, tmp_path, loss_type="apo_zero", use_weighting=True).dpo.use_weighting
+    with pytest.raises(LorarlError, match="dpo.use_weighting WPO's per-pair weights do not apply to loss_type aot"):
+        _dpo(tiny_model_dir, tmp_path, loss_type="aot", use_weighting=True)  # TRL refuses it too
+    with pytest.raises(Refused, match=r"^DPOConfig.loss_type=\['kto'\]: TRL 1.16's DPO loss types are sigmoid"):
+        _dpo(tiny_model_dir, tmp_path, loss_type=["kto"])
 
 
 def test_kto_fields_land_in_the_recipe(tiny_model_dir, tmp_path, caplog):
@@ -408,8 +479,8 @@ def test_trainer_arguments_lorarl_cannot_honour_are_refused(tiny_model_dir, tmp_
     with pytest.raises(Refused, match=r"^reward_funcs\[0\]='org/reward-model': a hub reward model"):
         GRPOTrainer(str(tiny_model_dir), reward_funcs="org/reward-model", train_dataset=DATASETS["grpo"])
     sft = default_config(trl.SFTConfig, str(tmp_path / "sft"))
-    with pytest.raises(Refused, match=r"^train_dataset=\"columns \['text'\]\": lorarl's SFT needs prompt"):
-        SFTTrainer(str(tiny_model_dir), args=sft, train_dataset=Dataset.from_list([{"text": "hello"}]))
+    with pytest.raises(Refused, match=r"^train_dataset=\"columns \['body'\]\": lorarl's SFT reads prompt"):
+        SFTTrainer(str(tiny_model_dir), args=sft, train_dataset=Dataset.from_list([{"body": "hello"}]))
     with pytest.raises(LorarlError, match=r"^args: a SFTConfig; DPOTrainer takes TRL's DPOConfig"):
         DPOTrainer(str(tiny_model_dir), args=sft, train_dataset=DATASETS["dpo"])
     args.logging_first_step = True  # a noted field: accepted with one notice

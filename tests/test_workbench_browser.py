@@ -56,7 +56,7 @@ def workbench(tmp_path_factory, tiny_model_dir):
         yield demo.local_url, runs, demo.lorarl_session.workbench
     finally:
         runner = demo.lorarl_session.workbench.runner
-        live = runner.live()
+        live = runner.own_live()
         if live is not None:  # a failed test leaves no training process behind (SIGTERM: it ends after its step)
             runner.stop(live)
         demo.close()

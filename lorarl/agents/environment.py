@@ -26,6 +26,7 @@ from lorarl.agents.tools import Tool, resolve_awaitable, tool_schema
 from lorarl.errors import LorarlError
 from lorarl.user_code import load_object
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 RESERVED = ("reset", "get_reward", "close")  # TRL reserves the first two; close is lorarl's release hook
 
 
@@ -66,6 +67,8 @@ class EnvironmentSession:
         self.tools: list[Tool] = []
         self.observation: str | None = None
         self.reset_error: str | None = None
+        self.reward_error: str | None = None  # why reward() has no value (set by reward())
+        self.cls = cls
         try:
             self.instance = cls()
             obs = resolve_awaitable(self.instance.reset(**row))
@@ -80,15 +83,24 @@ class EnvironmentSession:
                 self.tools.append(Tool(name, method, tool_schema(method, f"agent.environment: {cls.__name__}.{name}")))
 
     def reward(self) -> float:
-        """``get_reward()`` of the instance: NaN when it has none, failed to build, or raised (left out of the
-        group statistics like a failed reward function)."""
+        """``get_reward()`` of the instance: NaN when it has none or returned None (does not apply), and NaN with
+        ``reward_error`` set when the instance failed to build or reset, ``get_reward`` raised, or its value is not
+        a finite float32 (left out of the group statistics, and counted, like a failed reward function's value)."""
         fn = getattr(self.instance, "get_reward", None)
+        if self.reset_error is not None and callable(getattr(self.cls, "get_reward", None)):
+            self.reward_error = f"reset failed: {self.reset_error}"
         if fn is None or self.reset_error is not None:
             return math.nan
         try:
-            return float(resolve_awaitable(fn()))  # (an ``async def get_reward``, as TRL allows, is awaited)
-        except Exception:  # counted by the caller as a NaN reward
+            value = resolve_awaitable(fn())  # (an ``async def get_reward``, as TRL allows, is awaited)
+            value = math.nan if value is None else float(value)
+        except Exception as e:  # counted by the caller as a failed value
+            self.reward_error = f"get_reward raised {type(e).__name__}: {e}"
             return math.nan
+        if not math.isnan(value) and not abs(value) <= FLOAT32_MAX:
+            self.reward_error = f"get_reward returned {value:g}, not a finite float32"
+            return math.nan
+        return value
 
     def release(self) -> None:
         """End of the rollout: ``close()`` when the environment has one (errors ignored); drop the instance."""

@@ -96,12 +96,29 @@ class AgentStats:
 
 @dataclass
 class AgentRollout:
-    """The rollout, its counts, and the environment's reward per row (``[N]``, NaN where it gave none)."""
+    """The rollout, its counts, and the environment's reward per row (``[N]``, NaN where it gave none).
+    ``sessions``: each row's environment session (None without an environment), still open when the rollout was
+    asked to keep them (``keep_environments``): :meth:`release` closes them."""
 
     rollout: Rollout
     stats: AgentStats
     env_rewards: Tensor
     messages: list[list[dict]] = field(default_factory=list)
+    sessions: list[EnvironmentSession | None] = field(default_factory=list)
+    env_errors: list[str | None] = field(default_factory=list)  # why a row has no environment reward
+
+    @property
+    def environments(self) -> list | None:
+        """The rows' environment instances in row order (TRL's ``environments``), or None without an environment."""
+        if not any(s is not None for s in self.sessions):
+            return None
+        return [s.instance if s is not None else None for s in self.sessions]
+
+    def release(self) -> None:
+        """Close every row's environment (``close()`` when it has one); idempotent."""
+        for s in self.sessions:
+            if s is not None:
+                s.release()
 
 
 def _messages(row: dict, system_prompt: str | None) -> list[dict]:
@@ -235,11 +252,14 @@ def agent_rollout(
     engine: Engine | None = None,
     batch_size: int | None = None,
     max_new_tokens: int | None = None,
+    keep_environments: bool = False,
 ) -> AgentRollout:
     """Multi-turn trajectories for ``rows`` (dataset rows with a ``prompt``), ``group_size`` per row, sampled with
     ``role``; old / reference log-probs as :func:`lorarl.rollout.generate_rollout` records them (over the whole
     trajectory; the loss mask, ``Rollout.model_mask``, keeps the model's tokens). Tokens per turn:
-    ``agent.max_tokens_per_turn``, else ``max_new_tokens`` (evaluation's), else ``generation.max_new_tokens``."""
+    ``agent.max_tokens_per_turn``, else ``max_new_tokens`` (evaluation's), else ``generation.max_new_tokens``.
+    ``keep_environments``: leave the rows' environment instances open for the reward functions (TRL's
+    ``environments``); the caller then calls :meth:`AgentRollout.release`. Otherwise they are released here."""
     tok, eos = shared.tokenizer, set(shared.eos_ids)
     engine = engine or make_engine(generation.engine_for(shared.device.type))
     index = prompt_index if prompt_index is not None else list(range(len(rows)))
@@ -290,16 +310,17 @@ def agent_rollout(
     stats.turns = sum(tr.turns for tr in trajs)
     stats.truncated = sum(tr.truncated for tr in trajs)
     env_rewards = torch.tensor([s.reward() if s is not None else float("nan") for s in sessions])
-    for s in sessions:
-        if s is not None:
-            s.release()
     rollout = _as_rollout(shared, trajs, prefixes, index, group_size, record_sampler)
+    out = AgentRollout(rollout, stats, env_rewards, messages, sessions)
+    out.env_errors = [s.reward_error if s is not None else None for s in sessions]
+    if not keep_environments:
+        out.release()
     with phase("scoring"):
         if record_old:
             rollout.old_logprobs = sequence_logprobs(shared, role, rollout, generation.temperature, batch_size)
         if reference:
             rollout.ref_logprobs = sequence_logprobs(shared, reference, rollout, generation.temperature, batch_size)
-    return AgentRollout(rollout, stats, env_rewards, messages)
+    return out
 
 
 def _as_rollout(shared, trajs: list[Trajectory], prefixes, index, group_size: int, record_sampler: bool) -> Rollout:

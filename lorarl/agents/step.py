@@ -11,16 +11,34 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lorarl.rewards.source import EnvironmentReward, environment_reward
 from lorarl.rollout import Rollout, generate_rollout
 
 
 @dataclass
 class StepRollout:
-    """A step's rollout, the agent's metrics (empty single-turn) and the environment's rewards (``[N]`` or None)."""
+    """A step's rollout, the agent's metrics (empty single-turn) and the environment's rewards (``[N]`` or None);
+    ``environments``: the rows' environment instances, open until :meth:`score` (None without an environment)."""
 
     rollout: Rollout
     metrics: dict = field(default_factory=dict)
     env_rewards: Tensor | None = None
+    environments: list | None = None
+    release: Callable[[], None] = lambda: None
+    env_reward: EnvironmentReward | None = None  # the environment's get_reward() held to the reward failure rules
+
+    def score(self, source, prompts, step: int | None = None):
+        """The rollout scored by ``source`` (a :class:`~lorarl.rewards.source.RewardSource`) with the environment
+        instances handed to the reward functions (TRL's ``environments``), then released; the total includes the
+        environment's ``get_reward()`` (:meth:`total_reward`). ``step``: the training step (None: evaluation)."""
+        try:
+            scored = source.score_rollout(
+                prompts, self.rollout, step=step, environments=self.environments, environment=self.env_reward
+            )
+        finally:
+            self.release()
+        scored.total = self.total_reward(scored.total)
+        return scored
 
     def total_reward(self, total: Tensor) -> Tensor:
         """``total`` ``[N]`` (the reward functions / reward model) plus the environment's ``get_reward()`` with
@@ -61,12 +79,14 @@ def make_step_rollout(recipe, shared, prompts, batch_size: int | None = None) ->
     def multi_turn(prompt_index: list[int], **kw) -> StepRollout:
         rows = [prompts.rows[i] for i in prompt_index]
         kw.setdefault("batch_size", batch_size)
-        out = agent_rollout(shared, agent, rows, gen, prompt_index=prompt_index, **kw)
+        out = agent_rollout(shared, agent, rows, gen, prompt_index=prompt_index, keep_environments=True, **kw)
         env_cls, metrics = agent.resolved.environment, out.stats.metrics()
         env = out.env_rewards if env_cls is not None else None
         if env is not None and not torch.isnan(env).all():  # TRL logs the environment's reward under its class name
             metrics[f"rewards/{env_cls.__name__}/mean"] = float(env.nanmean())
-        return StepRollout(out.rollout, metrics, env)
+        has_reward = env is not None and callable(getattr(env_cls, "get_reward", None))
+        env_reward = environment_reward(env_cls.__name__, env, out.env_errors) if has_reward else None
+        return StepRollout(out.rollout, metrics, env, out.environments, out.release, env_reward)
 
     multi_turn.agent = agent  # type: ignore[attr-defined]  (tests and eval read the resolved agent)
     return multi_turn

@@ -1,8 +1,10 @@
 """DPO and its common variants on the shared base: the policy is a LoRA adapter, the reference is the base with
 adapters disabled (or ``model.init_adapter``, loaded a second time as a frozen ``reference`` adapter), so no second
-model is ever loaded. Losses by TRL's names (``dpo.loss_type``: ``sigmoid`` = DPO, ``hinge``, ``ipo``, ``simpo``, and
-TRL 1.x's weighted lists such as ``[sigmoid, sft]``),
-pure functions in :mod:`lorarl.core.preference_losses`, chosen once at set-up.
+model is ever loaded. Losses by TRL's names (``dpo.loss_type``: ``sigmoid`` = DPO, the 14 other types of TRL 1.16's
+DPOTrainer and SimPO, and TRL 1.x's weighted lists such as ``[sigmoid, sft]``), pure functions in
+:mod:`lorarl.core.preference_losses`, chosen once at set-up, with TRL's options: f-DPO's divergences
+(``dpo.f_divergence_type``), WPO's pair weights (``dpo.use_weighting``) and LD-DPO's length desensitisation
+(``dpo.ld_alpha``), the last two computed in the policy's own forward (:mod:`lorarl.algos.dpo_scoring`).
 
 Read :meth:`DPO.step` top to bottom (the run loop, :mod:`lorarl.algos.loop`, does checkpoints, resume, evaluation,
 logging and the plot):
@@ -46,14 +48,24 @@ from lorarl.algos.base import (
     tail_mean,
     trained_role,
 )
-from lorarl.algos.dpo_scoring import implicit_reward_metrics, pair_metrics, pair_tokens, response_logps, role_logps
+from lorarl.algos.dpo_scoring import (
+    PLAIN,
+    Scoring,
+    implicit_reward_metrics,
+    pair_logps,
+    pair_metrics,
+    pair_tokens,
+    response_logps,
+    role_logps,
+)
 from lorarl.config import Recipe
-from lorarl.core.preference_losses import PairLogps, combined_loss
+from lorarl.core.preference_losses import LossSettings, PairLogps, combined_loss
 from lorarl.core.schedules import advance
 from lorarl.data.pairs import PairSet, load_pairs, skipped_summary
 from lorarl.errors import DataError
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.phases import phase
+from lorarl.runfiles import write_atomic
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
 POLICY = "policy"
@@ -120,23 +132,20 @@ def dpo_loss(
     batch_pairs: int,
     batch_chosen_tokens: float,
     max_tokens: int,
+    scoring: Scoring,
     part: slice,
 ):
     """Step 3: micro-batch ``rows[part]``'s share of the batch's mean preference loss under the active policy ->
     ``(sum of its per-pair losses / batch_pairs, {stat: (sum, count)})``. ``ref`` holds the reference's log-probs of
-    ``rows`` in order (None: reference-free); ``batch_chosen_tokens``: the chosen responses' tokens of all ``rows``."""
+    ``rows`` in order (None: reference-free); ``batch_chosen_tokens``: the chosen responses' tokens of all ``rows``;
+    ``scoring``: LD-DPO's weighting and WPO's weights, from this forward."""
     mb = rows[part]
     b = len(mb)
-    logps, counts = response_logps(shared, pair_tokens(pairs, mb, shared.pad_id), max_tokens)  # [2b], [2b]
-    dev = logps.device
-    pair = PairLogps(
-        logps[:b],
-        logps[b:],
-        counts[:b],
-        counts[b:],
-        None if ref is None else ref.chosen[part].to(dev),
-        None if ref is None else ref.rejected[part].to(dev),
-    )
+    scored = response_logps(shared, pair_tokens(pairs, mb, shared.pad_id), max_tokens, scoring)  # [2b] each
+    pair = pair_logps(scored, b, scoring)
+    if ref is not None:
+        dev = scored.logps.device
+        pair.ref_chosen, pair.ref_rejected = ref.chosen[part].to(dev), ref.rejected[part].to(dev)
     # [b] each; an `sft` term is a token mean over the whole batch (its chosen tokens), not over this micro-batch
     per_pair, chosen_rewards, rejected_rewards = loss_fn(
         pair, batch_pairs=batch_pairs, batch_chosen_tokens=batch_chosen_tokens
@@ -148,6 +157,8 @@ def dpo_loss(
         }
         stats["logps/chosen"] = (float(pair.chosen.sum()), float(b))
         stats["logps/rejected"] = (float(pair.rejected.sum()), float(b))
+        if pair.weights is not None:
+            stats["wpo/weight"] = (float(pair.weights.sum()), float(b))
     return per_pair.sum() / batch_pairs, stats
 
 
@@ -161,13 +172,14 @@ def pair_update(
     mbs: int,
     max_tokens: int,
     max_grad_norm: float,
+    scoring: Scoring = PLAIN,
 ):
     """Step 3 of DPO and online DPO: one optimizer step of the ``policy`` role (a :class:`TrainedRole`) on pairs
     ``rows`` of ``pairs``, micro-batches of ``mbs`` pairs, each micro-batch's per-pair losses / the batch's pairs
     (:func:`dpo_loss`; ``ref``: the reference's log-probs of ``rows`` in order, None when reference-free); the LR
     schedule advanced. Returns the optimizer step's result."""
     chosen_tokens = float(sum(len(pairs.chosen_ids[i]) for i in rows))
-    loss = functools.partial(dpo_loss, shared, pairs, rows, ref, loss_fn, len(rows), chosen_tokens, max_tokens)
+    loss = functools.partial(dpo_loss, shared, pairs, rows, ref, loss_fn, len(rows), chosen_tokens, max_tokens, scoring)
     # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
     with phase("training"), shared.role(POLICY, train=True, dropout=True):
         result = optimizer_step(
@@ -212,6 +224,8 @@ class DPO:
         self.max_tokens = cfg.max_tokens_per_forward
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
         self.loss_fn = loss_of(recipe)
+        self.scoring = scoring_of(recipe)  # the policy's: LD-DPO's weighting, WPO's weights
+        self.ref_scoring = Scoring(ld_alpha=self.scoring.ld_alpha)  # the reference's: LD-DPO's weighting only
         self.ref_cache: PairLogps | None = None  # dpo.precompute_ref_log_probs: every training pair's, once
         self.eval_ref: PairLogps | None = None  # the held-out pairs' reference log-probs, once
         self.eval_result: dict | None = None
@@ -231,12 +245,20 @@ class DPO:
                 if self.ref_cache is None:
                     every = list(range(len(self.train_pairs)))
                     self.ref_cache = role_logps(
-                        self.shared, self.reference, self.train_pairs, every, self.mbs, self.max_tokens
+                        self.shared,
+                        self.reference,
+                        self.train_pairs,
+                        every,
+                        self.mbs,
+                        self.max_tokens,
+                        self.ref_scoring,
                     )
                 idx = torch.as_tensor(rows, dtype=torch.long)
                 c = self.ref_cache
                 return PairLogps(c.chosen[idx], c.rejected[idx], c.chosen_tokens[idx], c.rejected_tokens[idx])
-            return role_logps(self.shared, self.reference, self.train_pairs, rows, self.mbs, self.max_tokens)
+            return role_logps(
+                self.shared, self.reference, self.train_pairs, rows, self.mbs, self.max_tokens, self.ref_scoring
+            )
 
     def step(self, batch: PairBatch) -> dict:
         """One optimizer step on ``batch``; returns its metrics."""
@@ -248,7 +270,16 @@ class DPO:
         # 3. One optimizer step: each micro-batch's per-pair losses / the batch's pairs -----------------------------
         tp = self.train_pairs
         result = pair_update(
-            shared, self.policy, tp, rows, ref, self.loss_fn, self.mbs, self.max_tokens, tcfg.max_grad_norm
+            shared,
+            self.policy,
+            tp,
+            rows,
+            ref,
+            self.loss_fn,
+            self.mbs,
+            self.max_tokens,
+            tcfg.max_grad_norm,
+            self.scoring,
         )
         self.guard.check(result, step)
 
@@ -271,9 +302,11 @@ class DPO:
         if self.eval_pairs is not None:
             bs = self.recipe.eval.batch_size
             if self.eval_ref is None:  # computed once: the reference never changes
-                self.eval_ref = held_out_reference(self.shared, self.reference, self.eval_pairs, bs, self.max_tokens)
+                self.eval_ref = held_out_reference(
+                    self.shared, self.reference, self.eval_pairs, bs, self.max_tokens, self.ref_scoring
+                )
             self.eval_result = pair_metrics(
-                self.shared, self.eval_pairs, POLICY, self.eval_ref, self.loss_fn, bs, self.max_tokens
+                self.shared, self.eval_pairs, POLICY, self.eval_ref, self.loss_fn, bs, self.max_tokens, self.scoring
             )
             out.update({f"eval/{k}": v for k, v in self.eval_result.items() if isinstance(v, float)})
         if self.recipe.dpo.task_source:
@@ -303,7 +336,7 @@ class DPO:
         self.shared.save_adapter(POLICY, run_dir / POLICY)
         ev = self.eval_result or {}
         if ev:
-            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2), encoding="utf-8")
+            write_atomic(run_dir / "eval.json", json.dumps(ev, indent=2))
         tp = self.train_pairs
         return {
             "policy": str(run_dir / POLICY),
@@ -336,18 +369,34 @@ def loss_of(recipe: Recipe):
     """The recipe's preference loss with its settings bound: ``fn(pair) -> (loss [B], chosen_rewards [B],
     rejected_rewards [B])`` (:mod:`lorarl.core.preference_losses`)."""
     cfg = recipe.dpo
-    return functools.partial(
-        combined_loss, losses=cfg.losses, beta=cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma
+    settings = LossSettings(
+        beta=cfg.beta,
+        label_smoothing=cfg.label_smoothing,
+        simpo_gamma=cfg.simpo_gamma,
+        discopop_tau=cfg.discopop_tau,
+        f_divergence=cfg.f_divergence_type,
+        f_alpha_divergence_coef=cfg.f_alpha_divergence_coef,
     )
+    return functools.partial(combined_loss, losses=cfg.losses, settings=settings)
+
+
+def scoring_of(recipe: Recipe) -> Scoring:
+    """How the policy scores the pairs: ``dpo.ld_alpha`` (LD-DPO) and ``dpo.use_weighting`` (WPO)."""
+    return Scoring(ld_alpha=recipe.dpo.ld_alpha, wpo=recipe.dpo.use_weighting)
 
 
 def held_out_reference(
-    shared: SharedBase, role: str | None, pairs: PairSet, rows_per_forward: int, max_tokens: int
+    shared: SharedBase,
+    role: str | None,
+    pairs: PairSet,
+    rows_per_forward: int,
+    max_tokens: int,
+    scoring: Scoring = PLAIN,
 ) -> PairLogps | None:
     """The reference's log-probs of every held-out pair (None for a reference-free loss)."""
     if role is None:
         return None
-    return role_logps(shared, role, pairs, list(range(len(pairs))), rows_per_forward, max_tokens)
+    return role_logps(shared, role, pairs, list(range(len(pairs))), rows_per_forward, max_tokens, scoring)
 
 
 def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: SharedBase | None = None) -> dict:
@@ -374,13 +423,14 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     if pairs is not None:
         role = load_eval_adapter(shared, adapter)
         bs, max_tokens = recipe.eval.batch_size, recipe.dpo.max_tokens_per_forward
-        ref = held_out_reference(shared, reference, pairs, bs, max_tokens)
-        metrics = pair_metrics(shared, pairs, role, ref, loss_of(recipe), bs, max_tokens)
+        scoring = scoring_of(recipe)
+        ref = held_out_reference(shared, reference, pairs, bs, max_tokens, Scoring(ld_alpha=scoring.ld_alpha))
+        metrics = pair_metrics(shared, pairs, role, ref, loss_of(recipe), bs, max_tokens, scoring)
         out.update({f"preference/{k}": v for k, v in metrics.items()})
     if recipe.dpo.task_source:
         task = evaluate_task(recipe, checkpoint, n=n, shared=shared)
         out.update({k: v for k, v in task.items() if k not in ("checkpoint", "seconds")})
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
-        (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")  # a run's final policy
+        write_atomic(adapter.parent / "eval.json", json.dumps(out, indent=2))  # a run's final policy
     return out

@@ -9,10 +9,11 @@ Read :meth:`GRPO.step` top to bottom; its steps are numbered (the run loop, :mod
 3. rewards: the recipe's reward functions, each failure isolated and counted; with DAPO's dynamic sampling
    (``grpo.dynamic_sampling``) groups without a reward spread are dropped and steps 2-3 repeat on more prompts;
 4. group-relative advantages (DeepSeekMath; std scaling group | batch | none = Dr. GRPO);
-5. the loss: PPO-clip per token with ``eps_low`` / ``eps_high`` (DAPO clip-higher), or per sequence on GSPO's
-   geometric-mean ratio (``importance_sampling_level: sequence``), weighted by truncated importance sampling when the
-   sampler's log-probs differ from the trainer's (``grpo.tis``), plus ``kl_coef`` * k3 to the reference (or
-   DeepSeek-V3.2's importance-weighted k3), reduced once (GRPO / DAPO / Dr. GRPO), minus ``entropy_coef`` * the
+5. the loss (:mod:`lorarl.algos.grpo_losses`): PPO-clip per token with ``eps_low`` / ``eps_high`` (DAPO
+   clip-higher), or per sequence on GSPO's geometric-mean ratio (``importance_sampling_level: sequence``), or
+   ``grpo.policy_loss`` CISPO / SAPO / VESPO, weighted by truncated importance sampling when the sampler's log-probs
+   differ from the trainer's (``grpo.tis``), plus ``kl_coef`` * k3 to the reference (or DeepSeek-V3.2's
+   importance-weighted k3), reduced once (GRPO / DAPO / Dr. GRPO / LUSPO / BNPO), minus ``entropy_coef`` * the
    token mean of the entropy (TRL's convention);
 6. ``num_iterations`` optimizer steps on the rollout, each over micro-batches with gradient accumulation;
 7. iterative GRPO: the reference adapter is refreshed to the policy every ``ref_refresh_every`` steps;
@@ -42,6 +43,7 @@ from lorarl.algos.base import (
     tail_mean,
     trained_role,
 )
+from lorarl.algos.grpo_losses import POLICY_LOSSES, POLICY_METRICS, grpo_token_loss, policy_term  # noqa: F401
 from lorarl.algos.grpo_sampling import (
     dynamic_sampling_metrics,
     group_rows,
@@ -54,15 +56,7 @@ from lorarl.algos.tis import tis_engages, tis_metrics
 from lorarl.config import GRPOConfig, Recipe
 from lorarl.core.advantages import group_advantages
 from lorarl.core.dynamic_sampling import GroupTally, informative_groups, take_groups
-from lorarl.core.losses import (
-    batch_totals,
-    gspo_clip_loss,
-    kl_k3,
-    kl_k3_importance_weighted,
-    ppo_clip_loss,
-    reduce_loss,
-    tis_weights,
-)
+from lorarl.core.losses import batch_totals, reduce_loss, tis_weights
 from lorarl.core.schedules import advance
 from lorarl.core.stats import nan_std
 from lorarl.health import base_precision, parity_due, parity_metrics, parity_tolerance
@@ -113,65 +107,6 @@ def setup_roles(shared: SharedBase, recipe: Recipe) -> bool:
         shared.copy_adapter(POLICY, REFERENCE)
         return True
     return False
-
-
-# the policy-gradient term per importance-sampling level (grpo.importance_sampling_level), chosen once per loss
-POLICY_LOSSES = {"token": ppo_clip_loss, "sequence": gspo_clip_loss}
-SEQUENCE_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean")  # at sequence level: means over sequences (TRL)
-
-
-def grpo_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: GRPOConfig,
-    *,
-    entropy: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    sampler_logprobs: torch.Tensor | None = None,
-    tis_cap: float = 2.0,
-) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
-    """Step 5's per-token GRPO loss ``[B, T]`` (before the one reduction) from log-probs, and its stats:
-
-    ``l_t = -w_t min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef * KL_t`` (the entropy bonus is not a
-    per-token term here: :func:`grpo_loss` subtracts ``entropy_coef`` x the token mean of ``H``, as TRL does),
-
-    ``rho`` the token ratio ``pi_theta / pi_old`` (``importance_sampling_level: token``,
-    :func:`~lorarl.core.losses.ppo_clip_loss`) or GSPO's sequence ratio ``exp(mean_t log(pi_theta / pi_old))``
-    (``sequence``, :func:`~lorarl.core.losses.gspo_clip_loss`); ``w_t = min(exp(old_t - sampler_t), tis_cap)``
-    when ``sampler_logprobs`` is given (TIS, :func:`~lorarl.core.losses.tis_weights`), else 1; ``KL_t`` the k3
-    estimate (or k3 weighted by the token ratio, ``kl.estimator: k3_unbiased``) when ``ref_logprobs`` is given;
-    ``H_t`` the entropy (its stats only). As TRL's ``_compute_loss``, the TIS weight multiplies the
-    policy-gradient term only.
-
-    Shapes: ``logprobs`` (with gradient), ``old_logprobs``, ``mask``, ``entropy``, ``ref_logprobs``,
-    ``sampler_logprobs`` ``[B, T]``; ``advantages`` ``[B]``. Stats: ``{name: (sum, count)}`` over tokens (over
-    sequences for the ratio stats at sequence level).
-    """
-    m = mask.bool()
-    n_tok, n_seq = float(m.sum()), float(m.any(dim=-1).sum())
-    per_token, pstats = POLICY_LOSSES[cfg.importance_sampling_level](
-        logprobs, old_logprobs, advantages, mask, cfg.clip_eps_low, cfg.clip_eps_high
-    )  # [B, T]
-    per_seq = cfg.importance_sampling_level == "sequence"
-    unit = {k: n_seq if per_seq and k in SEQUENCE_STATS else n_tok for k in pstats}  # what each stat is a mean over
-    stats = {k: (float(v) * unit[k], unit[k]) for k, v in pstats.items()}
-    if sampler_logprobs is not None:
-        w = tis_weights(old_logprobs, sampler_logprobs, mask, tis_cap)  # [B, T]
-        per_token = per_token * w
-        stats["tis_weight"] = (float(w[m].sum()), n_tok)
-        stats["tis_truncated"] = (float((w[m] >= tis_cap).sum()), n_tok)
-    if entropy is not None:
-        stats["entropy"] = (float(entropy.detach()[m].sum()), n_tok)
-    if ref_logprobs is not None:
-        if cfg.kl.estimator == "k3_unbiased":
-            kl = kl_k3_importance_weighted(logprobs, ref_logprobs, old_logprobs)  # [B, T] DeepSeek-V3.2
-        else:
-            kl = kl_k3(logprobs, ref_logprobs)  # [B, T]
-        per_token = per_token + cfg.kl.coef * kl
-        stats["kl"] = (float(kl.detach()[m].sum()), n_tok)
-    return per_token, stats
 
 
 def grpo_loss(
@@ -305,8 +240,7 @@ class GRPO:
             record_sampler=record_sampler,
         )
         rollout, self.agent_metrics = sampled.rollout, sampled.metrics
-        scored = self.source.score_rollout(self.prompts, rollout)
-        scored.total = sampled.total_reward(scored.total)  # + the environment's get_reward(), when it has one
+        scored = sampled.score(self.source, self.prompts, step)  # + the environment's get_reward(), when it has one
         self.source.report_failures(scored, step, self.recipe.reward.max_failure_fraction, "its values are left out")
         return rollout, scored
 
@@ -360,6 +294,7 @@ class GRPO:
         tally = None
         if cfg.dynamic_sampling.enabled:
             rollout, scored, tally = self.fill_groups(batch, rollout, scored, record_sampler)
+        self.source.end_step(step)  # a reward function without a value in max_failed_steps steps stops the run
 
         # 4. Group-relative advantages [N] (NaN rewards left out of their group's statistics) ------------------
         adv = group_advantages(scored.total, G, cfg.std_scaling, unbiased_std=cfg.unbiased_std)
@@ -376,6 +311,8 @@ class GRPO:
         # term. They still count in the normaliser (the batch's totals), so the update is exact.
         needs_all_rows = cfg.kl.coef > 0 or cfg.entropy_coef > 0
         active = loss_mask.any(dim=1) & (needs_all_rows | (advantages != 0))
+        if cfg.loss_reduction == "micro_batch_token_mean":  # BNPO normalises per micro-batch: TRL's, every row in order
+            active = torch.ones_like(active)
         rows = active.nonzero().squeeze(1)  # [n_active]
         tis_seen: list[torch.Tensor] = []  # the TIS weights of the loss tokens (sampling/importance_sampling_ratio/*)
         loss_fn = functools.partial(
@@ -426,10 +363,12 @@ class GRPO:
             shared.copy_adapter(POLICY, REFERENCE)
 
         # 8. Metrics; the first train.log_completions rows as text (the loop writes them to completions.jsonl) ----
-        self.samples = completion_samples(shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions)
+        self.samples = completion_samples(
+            shared.tokenizer, rollout, scored.total, advantages, tcfg.log_completions, columns=scored.columns
+        )
         lengths = rollout.lengths.float()
         valid = ~torch.isnan(scored.total)
-        return {
+        row = {
             "reward": float(torch.nanmean(scored.total)) if valid.any() else float("nan"),
             "reward_std": nan_std(scored.total),
             "reward_std_group": float(adv.group_std.mean()),
@@ -441,6 +380,7 @@ class GRPO:
             "kl": update_stats.get("kl"),
             "clip_ratio/low_mean": update_stats.get("clip_frac_low"),
             "clip_ratio/high_mean": update_stats.get("clip_frac_high"),
+            **{name: update_stats[k] for k, name in POLICY_METRICS.items() if k in update_stats},  # cispo, vespo
             "approx_kl": update_stats.get("approx_kl"),
             "entropy": update_stats.get("entropy"),
             "loss": update_stats.get("loss"),
@@ -448,6 +388,7 @@ class GRPO:
             "learning_rate": lr,
             "trained_rows": int(len(rows)),
             "reward_failures": self.source.failures,
+            "reward_failed_values": self.source.failed_values,
             "skipped_updates": self.guard.skipped,
             **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(lengths.sum()),
@@ -456,6 +397,7 @@ class GRPO:
             **tis_metrics(self.tis_active, tis_seen, update_stats),
             **(dynamic_sampling_metrics(tally, tcfg.prompts_per_step, self.drawn_rewards) if tally else {}),
         }
+        return self.source.with_logged(row)  # + what the reward functions logged with log_metric
 
     def evaluate(self) -> dict:
         return evaluate_policy(self)

@@ -81,10 +81,18 @@ def group_rows(groups: list[int], group_size: int) -> list[int]:
     return [g * group_size + j for g in groups for j in range(group_size)]
 
 
+def select_columns(columns: list[dict[str, list]], rows: list[list[int]]) -> dict[str, list]:
+    """The rows ``rows[k]`` of round ``k``'s ``log_extra`` columns (``{column: values}``), joined in order; a column
+    a round did not log is None on its rows. Example: ``[{"a": [1, 2]}, {}]``, rows ``[[1], [0]]`` ->
+    ``{"a": [2, None]}``."""
+    names = list(dict.fromkeys(name for c in columns for name in c))
+    return {name: [c[name][i] if name in c else None for c, r in zip(columns, rows) for i in r] for name in names}
+
+
 def select_scores(parts: list, rows: list[list[int]]):
-    """The rows ``rows[k]`` of round ``k``'s :class:`~lorarl.rewards.source.SourceScores`, joined in order. Failures
-    of every round are kept (later rounds' messages win on the same function); other per-batch fields of the rule
-    scores (``extra``) are the first round's."""
+    """The rows ``rows[k]`` of round ``k``'s :class:`~lorarl.rewards.source.SourceScores`, joined in order, with
+    their ``log_extra`` columns. Failures of every round are kept (later rounds' messages win on the same function);
+    other per-batch fields of the rule scores (``extra``, ``logged``) are the first round's."""
     idx = [torch.as_tensor(r, dtype=torch.long) for r in rows]
     total = torch.cat([p.total[i] for p, i in zip(parts, idx)])
     rm = None if parts[0].reward_model is None else torch.cat([p.reward_model[i] for p, i in zip(parts, idx)])
@@ -98,6 +106,7 @@ def select_scores(parts: list, rows: list[list[int]]):
             per_function=torch.cat([p.rules.per_function[i] for p, i in zip(parts, idx)]),
             total=torch.cat([p.rules.total[i] for p, i in zip(parts, idx)]),
             failures=failures,
+            columns=select_columns([p.rules.columns for p in parts], rows),
         )
     return dataclasses.replace(parts[0], total=total, reward_model=rm, rules=rules)
 

@@ -34,7 +34,7 @@ def rows_logps(
 ) -> Tensor:
     """Under the ACTIVE role: ``log pi(y|x) [b]``, each row's summed completion log-probs (gradients when enabled),
     fp32, in ``idx``'s order (``completions``: see :func:`row_tokens`)."""
-    return response_logps(shared, row_tokens(rows, idx, shared.pad_id, completions), max_tokens)[0]
+    return response_logps(shared, row_tokens(rows, idx, shared.pad_id, completions), max_tokens).logps
 
 
 @torch.no_grad()

@@ -39,11 +39,12 @@ from lorarl.config import Recipe, recipe_to_dict
 from lorarl.errors import LorarlError, quote
 from lorarl.health import HealthMonitor
 from lorarl.metrics import MetricsLogger, check_trackers, plot_metrics
-from lorarl.model import SharedBase
+from lorarl.model import SharedBase, pick_device
 from lorarl.model.host_memory import release_freed_tensors
 from lorarl.phases import phase, recording
 from lorarl.plan.bounds import check_planned_memory
 from lorarl.rollout.fast import engine_metrics
+from lorarl.runfiles import write_atomic
 from lorarl.runs import latest_checkpoint
 from lorarl.runstate import (
     CompletionsLog,
@@ -127,15 +128,16 @@ def use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def set_threads() -> int:
-    """On CPU use every core this process may run on (the default can be lower in containers), unless the user
-    chose a count: ``LORARL_THREADS`` or ``OMP_NUM_THREADS``."""
+def set_threads(device_type: str | None = None) -> int:
+    """On CPU (``device_type``: the run's, default CUDA when a GPU is visible) use every core this process may run
+    on (the default can be lower in containers), unless the user chose a count: ``LORARL_THREADS`` or
+    ``OMP_NUM_THREADS``."""
     chosen = os.environ.get("LORARL_THREADS") or os.environ.get("OMP_NUM_THREADS")
     try:
         n = int(chosen) if chosen else len(os.sched_getaffinity(0))
     except (ValueError, AttributeError):  # not a number / not Linux
         n = os.cpu_count() or 1
-    if not torch.cuda.is_available():
+    if (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) != "cuda":
         torch.set_num_threads(max(1, n))
         release_freed_tensors()  # glibc would keep a step's freed activations resident (lorarl.model.host_memory)
     return torch.get_num_threads()
@@ -145,12 +147,12 @@ def start_run(recipe: Recipe, out_dir: str | os.PathLike) -> Path:
     """Make the run directory, use every core, seed python and torch from ``train.seed``, write ``recipe.yaml``."""
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    set_threads()
+    set_threads(pick_device(recipe.model.device).type)
     if recipe.train.deterministic:
         use_deterministic_algorithms()
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+    write_atomic(run_dir / "recipe.yaml", yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     return run_dir
 
 
@@ -435,6 +437,8 @@ def train_in(
         }
 
     # 5. Final adapters, plot, summary ------------------------------------------------------------------------
+    if hasattr(algo, "source"):  # a reward function that failed on every step of the run: not a success
+        algo.source.check_finished()
     summary = algo.finish(run_dir, history)
     plot = plot_metrics(run_dir, panels=algo.plot_panels)
     write_state(run_dir, "finished", loop.step, last_step)

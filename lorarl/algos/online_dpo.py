@@ -53,7 +53,7 @@ from lorarl.algos.base import (
 from lorarl.algos.dpo import POLICY, pair_token_count, pair_update, setup_roles
 from lorarl.algos.dpo_scoring import role_logps
 from lorarl.config import Recipe
-from lorarl.core.preference_losses import combined_loss
+from lorarl.core.preference_losses import LossSettings, combined_loss
 from lorarl.core.schedules import advance
 from lorarl.data.pairs import PairSet
 from lorarl.model import REFERENCE, SharedBase
@@ -187,7 +187,7 @@ class OnlineDPO(GuardState):
             tcfg.micro_batch_size, tcfg.prompts_per_step, None if planned is None else max(1, planned // 2)
         )
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
-        self.loss_fn = functools.partial(combined_loss, losses=cfg.losses, beta=cfg.beta)
+        self.loss_fn = functools.partial(combined_loss, losses=cfg.losses, settings=LossSettings(beta=cfg.beta))
         self.eval_result: dict | None = None
         self.rollout_rows = rollout_batch(recipe, shared.device.type)  # generation.batch_size
 
@@ -214,14 +214,16 @@ class OnlineDPO(GuardState):
 
         # 3. Rewards, then the ranking --------------------------------------------------------------------------------
         with phase("rewards"):
-            scored = self.source.score_rollout(self.prompts, rollout)
+            scored = self.source.score_rollout(self.prompts, rollout, step=batch.step)
         # failures isolated as NaN (no pair), reported, and bounded as in GRPO
         self.source.report_failures(
             scored, batch.step, self.recipe.reward.max_failure_fraction, "its values are left out"
         )
+        self.source.end_step(batch.step)
         chosen, rejected, ties = rank_pairs(scored.total, rollout.truncated, cfg.missing_eos_penalty, cfg.group_size)
         metrics = self.sample_metrics(rollout, scored.total, chosen, rejected, ties)
-        metrics.update(scored.means())
+        metrics.update(scored.means(), reward_failures=self.source.failures)
+        self.source.with_logged(metrics)
         if not chosen:  # every prompt tied: nothing to prefer (the schedule still advances, as an empty GRPO step)
             advance(self.policy.scheduler)
             return {**metrics, "loss": float("nan"), "skipped_updates": self.guard.skipped}

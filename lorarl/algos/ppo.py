@@ -220,11 +220,12 @@ class PPO:
         ref_logprobs = rollout.ref_logprobs if self.need_ref else old_logprobs  # [N, T]
 
         # ===== Phase 2. Reward: score at the final token, then the per-token KL penalty =========================
-        scored = self.source.score_rollout(self.prompts, rollout)
+        scored = sampled.score(self.source, self.prompts, step)  # (+ the environment's reward)
         self.source.report_failures(
             scored, step, self.recipe.reward.max_failure_fraction, "its rows are left out of the update"
         )
-        raw_score = sampled.total_reward(scored.total)  # [N] (+ the environment's reward); NaN: no reward
+        self.source.end_step(step)  # a reward function without a value in max_failed_steps steps stops the run
+        raw_score = scored.total  # [N]; NaN: no reward
         kept = rewarded_rows(raw_score, rollout.truncated, cfg.score.no_eos_penalty)  # [N]
         # [N, T] bool: the model's tokens through the first EOS (tool tokens: context), of the rows with a reward
         mask = rollout.loss_mask & kept[:, None]
@@ -261,11 +262,17 @@ class PPO:
         # ===== Metrics; the first train.log_completions rows as text (the loop writes them to completions.jsonl) ==
         adv_row = row_advantage(advantages, mask)  # [N] mean advantage over each row's model tokens
         self.samples = completion_samples(
-            shared.tokenizer, rollout, raw_score, adv_row, self.recipe.train.log_completions, score_used=score
+            shared.tokenizer,
+            rollout,
+            raw_score,
+            adv_row,
+            self.recipe.train.log_completions,
+            columns=scored.columns,
+            score_used=score,
         )
         lengths, m_f = rollout.lengths.float(), mask.float()
         rewarded = raw_score[~torch.isnan(raw_score)]  # the rows with a reward
-        return {
+        row = {
             "reward": float(rewarded.mean()) if len(rewarded) else float("nan"),
             "reward_std": float(rewarded.std()) if len(rewarded) > 1 else 0.0,
             "rm_score": float(scored.reward_model.mean()) if scored.reward_model is not None else None,
@@ -289,6 +296,8 @@ class PPO:
             "policy_grad_norm": finite_mean(acc.get("policy_grad_norm", [])),
             "critic_grad_norm": finite_mean(acc.get("critic_grad_norm", [])),
             "lr": lr,
+            "reward_failures": self.source.failures,
+            "reward_failed_values": self.source.failed_values,
             "skipped_updates": self.guard.skipped,
             **self.guard.loss_scale_metrics(),  # fp16 bases only
             "tokens": float(lengths.sum()),
@@ -300,6 +309,7 @@ class PPO:
                 {"tis_truncated": float((tis_w >= cfg.tis.cap).float().mean()) if tis_w is not None else None},
             ),
         }
+        return self.source.with_logged(row)
 
     def evaluate(self) -> dict:
         return evaluate_policy(self)

@@ -168,6 +168,14 @@ def write_dataset(run_dir: Path, rows: list[dict], stats: dict) -> Path:
     return final / DATASET_FILE
 
 
+@dataclass
+class SampleBatch:
+    """Step ``step``'s prompts: rows ``prompt_index`` of the prompt set."""
+
+    step: int
+    prompt_index: list[int]
+
+
 class RejectionSampling:
     """Sample, verify, keep: set-up, then :meth:`step` per batch of prompts; :meth:`finish` writes the dataset."""
 
@@ -194,14 +202,15 @@ class RejectionSampling:
         self.tally = Tally()
         self.rollout_rows = rollout_batch(recipe, shared.device.type)  # generation.batch_size
 
-    def batch(self, step: int) -> list[int]:
+    def batch(self, step: int) -> SampleBatch:
         """Step ``step``'s prompts: consecutive slices of a per-epoch shuffle (no prompt twice within an epoch)."""
         tcfg = self.recipe.train
-        return batch_indices(len(self.prompts), tcfg.prompts_per_step, tcfg.seed, step)
+        return SampleBatch(step, batch_indices(len(self.prompts), tcfg.prompts_per_step, tcfg.seed, step))
 
-    def step(self, batch: list[int]) -> dict:
+    def step(self, sample: SampleBatch) -> dict:
         """Sample, score and filter one batch of prompts; returns its metrics."""
         cfg, G = self.recipe.rejection_sampling, self.recipe.rejection_sampling.group_size
+        step, batch = sample.step, sample.prompt_index
 
         # 1. G completions per prompt with the sampler, one batched generate -----------------------------------
         rollout = generate_rollout(
@@ -214,7 +223,11 @@ class RejectionSampling:
             batch_size=self.rollout_rows,
         )
         # 2. Scores: the recipe's verifiers, as RL scores them ---------------------------------------------------
-        scored = self.source.score_rollout(self.prompts, rollout)
+        scored = self.source.score_rollout(self.prompts, rollout, step=step)
+        self.source.report_failures(
+            scored, step, self.recipe.reward.max_failure_fraction, "its completions are not kept"
+        )
+        self.source.end_step(step)
         rewards = [float(r) for r in scored.total]
         truncated = rollout.truncated.tolist()
 
@@ -238,7 +251,7 @@ class RejectionSampling:
         # 4. Metrics ---------------------------------------------------------------------------------------------
         finite = [r for r in rewards if not math.isnan(r)]
         groups = self.tally.per_prompt[-len(batch) :]
-        return {
+        row = {
             "kept": kept_now,
             "kept_frac": kept_now / len(rewards),
             "prompt_pass_frac": sum(g["kept"] > 0 for g in groups) / len(batch),
@@ -250,9 +263,11 @@ class RejectionSampling:
             "completions/mean_length": float(rollout.lengths.float().mean()),
             "completions/clipped_ratio": float(rollout.truncated.float().mean()),
             "reward_failures": self.source.failures,
+            "reward_failed_values": self.source.failed_values,
             "updates": 0,
             "tokens": float(rollout.lengths.sum()),
         }
+        return self.source.with_logged(row)
 
     def kept_row(self, prompt_index: int, completion: str, reward: float) -> dict:
         """A kept sample as a TRL prompt-completion row: the prompt row's columns (``prompt``, ``answer``, ...), the

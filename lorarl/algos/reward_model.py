@@ -42,6 +42,7 @@ from lorarl.model import SharedBase
 from lorarl.model.tokens import pad_right, with_end_of_turn
 from lorarl.phases import phase
 from lorarl.rewards.source import REWARD, resolve_reward_adapter
+from lorarl.runfiles import write_atomic
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
 PLOT_PANELS = (
@@ -256,7 +257,7 @@ class RewardModel(GuardState):
         self.shared.save_adapter(REWARD, run_dir / REWARD)
         ev = self.eval_result
         if ev is not None:
-            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2), encoding="utf-8")
+            write_atomic(run_dir / "eval.json", json.dumps(ev, indent=2))
         return {
             "reward": str(run_dir / REWARD),
             "train_pairs": len(self.train_pairs),

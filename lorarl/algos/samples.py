@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from lorarl.rewards.call_args import LOG_EXTRA_PREFIX, add_logged
 from lorarl.rollout import Rollout
 
 
@@ -32,14 +33,18 @@ def completion_samples(
     rewards: torch.Tensor,
     advantages: torch.Tensor | None,
     n: int,
+    columns: dict[str, list] | None = None,
     **extra: torch.Tensor,
 ) -> list[dict]:
-    """The first ``n`` rows of ``rollout`` as ``{"prompt", "completion", "reward", "advantage", **extra}``.
+    """The first ``n`` rows of ``rollout`` as ``{"prompt", "completion", "reward", "advantage", **extra,
+    **columns}``.
 
     ``prompt``: the prompt tokens decoded as the model saw them (chat template included); ``completion``: the text
     the rewards scored (``rollout.completions``), or for a multi-turn trajectory (``rollout.model_mask`` set) every
     turn and tool message decoded with its special tokens, so the turns show. ``rewards`` ``[N]`` (NaN -> null),
-    ``advantages`` ``[N]`` or None, ``extra``: more ``[N]`` columns (PPO's ``score_used``)."""
+    ``advantages`` ``[N]`` or None, ``extra``: more ``[N]`` columns (PPO's ``score_used``); ``columns``: what the
+    reward functions logged with ``log_extra`` (``{column: N JSON values}``; a name the row has already goes under
+    ``log_extra/<column>``, :func:`lorarl.rewards.call_args.add_logged`)."""
     rows = []
     multi_turn = rollout.model_mask is not None
     for i in range(min(n, len(rollout))):
@@ -53,5 +58,6 @@ def completion_samples(
         if advantages is not None:
             row["advantage"] = _number(advantages[i])
         row.update({k: _number(v[i]) for k, v in extra.items()})
+        add_logged(row, {k: v[i] for k, v in (columns or {}).items()}, LOG_EXTRA_PREFIX)
         rows.append(row)
     return rows

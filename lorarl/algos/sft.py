@@ -7,8 +7,15 @@ completion token of the batch (TRL's ``SFTTrainer`` with ``completion_only_loss`
     loss = -(1 / N_tok) * sum_i sum_t m_it * log p(y_it | x_i, y_i,<t)
 
 Examples are rendered exactly as RL prompts are (:mod:`lorarl.data.sft`): the chat template with the generation
-prompt, then the completion and the end-of-turn EOS a rollout ends with. Log-probs come from the model's chunked
-path (:func:`lorarl.model.completion_logprobs`, temperature 1): the ``[B, T, V]`` logits never exist at once.
+prompt, then the completion and the end-of-turn EOS a rollout ends with. A language-modeling row (``text``, TRL's
+standard format) is its first token as the "prompt" and every later token as the completion: all trained, as TRL.
+Log-probs come from the model's chunked path (:func:`lorarl.model.completion_logprobs`, temperature 1): the
+``[B, T, V]`` logits never exist at once.
+
+With ``sft.packing`` the examples are packed once into rows of ``sft.max_length`` tokens (TRL's packs,
+:mod:`lorarl.data.packing`) and a step takes ``sft.batch_size`` of those rows; each example attends only to itself
+and trains the same tokens as unpacked (:func:`packed_sft_loss`), so the loss is the same token mean over fewer,
+fuller forwards (no padding).
 
 Why not TRL's ``SFTTrainer``: it owns its model and training loop (a second copy of the base, or its own PEFT
 wrapping), writes ``Trainer`` checkpoints (not atomic; resume not bit-identical across lorarl's per-step seeds) and
@@ -17,11 +24,13 @@ atomic checkpoints, bit-identical resume, metrics, plots and export for free; th
 
 Read :meth:`SFT.step` top to bottom (the run loop, :mod:`lorarl.algos.loop`, does the rest):
 
-1. a batch of examples (a per-epoch shuffle derived from ``(seed, epoch)``, so a resumed run sees the same data);
+1. a batch of examples, or of packed rows (a per-epoch shuffle derived from ``(seed, epoch)``, so a resumed run
+   sees the same data);
 2. one optimizer step over micro-batches, each contributing its share of the batch's token-mean NLL;
 3. metrics; at the end (:meth:`SFT.finish`) the policy adapter in PEFT format at ``RUN/policy``.
 
-The run stops after ``sft.epochs`` passes over the examples or ``train.steps`` steps, whichever comes first.
+The run stops after ``sft.epochs`` passes over the examples (packed rows) or ``train.steps`` steps, whichever
+comes first.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ from torch import Tensor
 from lorarl.algos.base import GuardState, batch_indices, evaluate_policy, micro_batch_rows, tail_mean, trained_role
 from lorarl.config import Recipe
 from lorarl.core.schedules import advance
+from lorarl.data.packing import Packs, pack_batch, pack_sft
 from lorarl.data.sft import SFTSet, load_sft
 from lorarl.model import SharedBase, completion_logprobs
+from lorarl.model.logprobs import packed_logprobs
 from lorarl.model.tokens import end_of_turn_id, pad_left, pad_right
 from lorarl.phases import phase
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
@@ -162,6 +173,16 @@ def shared_prefix_batch(data: SFTSet, rows: list[int], pad_id: int) -> tuple[Exa
     return ExampleBatch(p_ids, torch.ones_like(p_ids, dtype=torch.bool), c_ids, c_mask.bool(), [0] * len(rows)), mask
 
 
+def packed_sft_loss(shared: SharedBase, packs: Packs, total_tokens: int, rows: list[int]):
+    """Step 2 with ``sft.packing``: the NLL share of packed rows ``rows`` -> ``(loss, {})``. Each example attends
+    only to itself (:func:`lorarl.model.logprobs.packed_logprobs`); the targets are the tokens its unpacked row
+    trains (:func:`lorarl.data.packing.pack_targets`), so the batch's loss is the same token mean."""
+    ids, pos, targets = pack_batch(packs, rows, shared.pad_id)  # [R, L], [R, L], [R, L - 1]
+    with shared.role(POLICY, train=True, dropout=True):
+        logprobs = packed_logprobs(shared, ids, pos)  # [R, L - 1]
+    return completion_nll(logprobs, targets.to(shared.device), total_tokens), {}
+
+
 def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int]):
     """Step 2: the NLL share of micro-batch ``rows`` under the policy -> ``(loss, {})`` (the loss is the metric).
     The rows' common prompt prefix runs once (:func:`shared_prefix_batch`)."""
@@ -193,7 +214,12 @@ class SFT(GuardState):
             self.data = load_tool_sft(recipe, shared.tokenizer, shared.eos_ids, self.eos_id(), cfg.max_length)
         else:
             self.data = load_sft(
-                recipe.data, shared.tokenizer, self.eos_id(), cfg.max_length, recipe_path=recipe.source_path
+                recipe.data,
+                shared.tokenizer,
+                self.eos_id(),
+                cfg.max_length,
+                recipe_path=recipe.source_path,
+                long_rows=cfg.packing and cfg.packing_strategy != "bfd",  # the other strategies split them
             )
         for i, why in self.data.skipped[:5]:
             print(f"data: skipped row {i}: {why}", file=sys.stderr)
@@ -202,13 +228,31 @@ class SFT(GuardState):
                 f"data: skipped {len(self.data.skipped)} bad rows of {self.data.source} (data.on_bad_row: skip)",
                 file=sys.stderr,
             )
-        n, B = len(self.data), cfg.batch_size
+        # with packing a step's units are packed rows of examples (TRL's batch), else examples
+        self.packs = pack_sft(self.data, cfg.max_length, cfg.packing_strategy) if cfg.packing else None
+        self.step_loss = self.packed_rows_loss if cfg.packing else self.examples_loss
+        n, B = self.units(), cfg.batch_size
         self.total_steps = min(tcfg.steps, math.ceil(cfg.epochs * n / B))  # batches run on across epochs
         self.last_step = self.total_steps  # the loop lowers it for --max-steps
         self.policy = trained_role(shared, POLICY, tcfg, self.total_steps)
         self.optimizers, self.schedulers = {POLICY: self.policy.optimizer}, {POLICY: self.policy.scheduler}
         self.mbs = micro_batch_rows(tcfg.micro_batch_size, B)
         self.guard = NonFiniteGuard(tcfg.max_nonfinite_in_row)
+
+    def examples_loss(self, rows: list[int]):
+        """``(loss tokens, tokens run, micro-batch loss)`` of a batch of examples ``rows``."""
+        total = loss_tokens(self.data, rows)
+        tokens = total + sum(len(self.data.prompt_ids[i]) for i in rows)
+        return total, tokens, functools.partial(sft_loss, self.shared, self.data, total)
+
+    def packed_rows_loss(self, rows: list[int]):
+        """``(loss tokens, tokens run, micro-batch loss)`` of a batch of packed rows ``rows`` (``sft.packing``)."""
+        total = self.packs.targets(rows)
+        return total, self.packs.tokens(rows), functools.partial(packed_sft_loss, self.shared, self.packs, total)
+
+    def units(self) -> int:
+        """What a step's batch counts: packed rows with ``sft.packing``, else examples."""
+        return len(self.packs) if self.packs is not None else len(self.data)
 
     def eos_id(self) -> int:
         """The EOS a rollout's response ends with: every completion is trained to end with it."""
@@ -217,15 +261,14 @@ class SFT(GuardState):
     def batch(self, step: int) -> SFTBatch:
         """1. Step ``step``'s examples: consecutive slices of a per-epoch shuffle."""
         cfg, tcfg = self.recipe.sft, self.recipe.train
-        return SFTBatch(step, batch_indices(len(self.data), cfg.batch_size, tcfg.seed, step))
+        return SFTBatch(step, batch_indices(self.units(), cfg.batch_size, tcfg.seed, step))
 
     def step(self, batch: SFTBatch) -> dict:
         """One optimizer step on ``batch``; returns its metrics."""
         shared, tcfg, rows, step = self.shared, self.recipe.train, batch.rows, batch.step
-        total_tokens = loss_tokens(self.data, rows)
+        total_tokens, tokens, loss_fn = self.step_loss(rows)
 
         # 2. One optimizer step over micro-batches: each returns its share of the batch's token-mean NLL --------
-        loss_fn = functools.partial(sft_loss, shared, self.data, total_tokens)
         # (active through backward: activation checkpointing recomputes under the same adapter and dropout)
         with phase("training"), shared.role(POLICY, train=True, dropout=True):
             result = optimizer_step(
@@ -245,11 +288,11 @@ class SFT(GuardState):
             "perplexity": math.exp(min(result.loss, 50.0)) if math.isfinite(result.loss) else None,
             "grad_norm": result.grad_norm,
             "learning_rate": result.lr,
-            "epoch": (step - 1) * self.recipe.sft.batch_size / len(self.data),
+            "epoch": (step - 1) * self.recipe.sft.batch_size / self.units(),
             "completion_tokens": total_tokens,
             "skipped_updates": self.guard.skipped,
             **self.guard.loss_scale_metrics(),  # fp16 bases only
-            "tokens": float(total_tokens + sum(len(self.data.prompt_ids[i]) for i in rows)),
+            "tokens": float(tokens),
         }
 
     def evaluate(self) -> dict:
@@ -267,7 +310,8 @@ class SFT(GuardState):
             "loss_first10": tail_mean(history, "loss", head=True),
             "loss_last10": tail_mean(history, "loss"),
             "examples": len(self.data),
+            **({"packed_rows": len(self.packs)} if self.packs is not None else {}),
             "skipped_rows": len(self.data.skipped),
-            "epochs": self.total_steps * self.recipe.sft.batch_size / len(self.data),
+            "epochs": self.total_steps * self.recipe.sft.batch_size / self.units(),
             "skipped_updates": self.guard.skipped,
         }

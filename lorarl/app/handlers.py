@@ -55,7 +55,7 @@ class Workbench:
         session.pause = self.memory.chat_pause
         self._watches: dict[Path, Any] = {}
         self._shown: dict[tuple[str, Path], tuple] = {}  # (browser session, run) -> view_stamp last sent
-        self._resume_shown: dict[str, str] = {}  # run label -> digest of the code its Resume listed (press again)
+        self._code_shown: dict[str, str] = {}  # button:target -> digest of the code its last press listed
         self._lock = threading.Lock()
 
     # ---- choices ----------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class Workbench:
         stamp = view_stamp(view)
         fresh = self._shown.get(key) != stamp
         self._shown[key] = stamp
-        live = self.runner.live()
+        live = self.runner.own_live()  # (a run of a train.pid this app did not write is named when Resume is pressed)
         return view_outputs(view, fresh, live, self.runner.label(live) if live is not None else None)
 
     def on_stop(self, run: str):
@@ -222,15 +222,11 @@ class Workbench:
             label = self.runner.label(run_dir)
             recipe, overrides, _ = jobs.resume_source(run_dir, self.recipe_dirs, self.runs_dir)
             code = resume_code(recipe, overrides, label)
-            if not self.catalog.consent.allowed(code):  # listed first; the second press is the consent
-                if self._resume_shown.get(label) != code.digest:
-                    self._resume_shown[label] = code.digest
-                    return (
-                        f"**not resumed yet:** run {label} runs code from its folder when resumed: {code.describe()}; "
-                        "read it, then press Resume again to run it"
-                    )
-                self.catalog.consent.allow(code)
-            self._resume_shown.pop(label, None)
+            if not self._consented(f"resume:{label}", code):
+                return (
+                    f"**not resumed yet:** run {label} runs code from its folder when resumed: {code.describe()}; "
+                    "read it, then press Resume again to run it"
+                )
             work = Work(f"the resume of run {label}", run_dir, recipe, tuple(overrides), pin=False)
             run_dir, admission = self.memory.start(work, lambda _: self.runner.resume(run_dir))
         except LorarlError as e:
@@ -238,6 +234,18 @@ class Workbench:
         note = f" ({admission.note})" if admission.note else ""
         shown = " ".join([str(recipe), *overrides])
         return f"resumed `{label}`: `lorarl train {shown} --out RUN --resume`{note}"
+
+    def _consented(self, press: str, code) -> bool:
+        """Whether ``code`` (a :class:`~lorarl.chat.consent.RunCode`, or None) may run for button press ``press``:
+        none, allowed already, or listed by the previous press of the same button (this press is then the consent);
+        else it is remembered as listed, for the caller to show."""
+        if not self.catalog.consent.allowed(code):
+            if self._code_shown.get(press) != code.digest:
+                self._code_shown[press] = code.digest
+                return False
+            self.catalog.consent.allow(code)
+        self._code_shown.pop(press, None)
+        return True
 
     # ---- Chat: votes -> retrain -------------------------------------------------------------------------------
     def votes_line(self) -> str:
@@ -307,10 +315,20 @@ class Workbench:
                 raise LorarlError(f"{checkpoint_id}: only a run's adapter checkpoints export from here")
             step = checkpoint_id.split("/", 1)[1] if entry.step is not None else None
             out_name = (name or "").strip() or f"{entry.run}-{step or 'final'}-{fmt}"
+            code = exporting.export_code(self.runs_dir / entry.run, self.runs_dir, step, strict=False)
+            if not self._consented(f"export:{checkpoint_id}", code):
+                line = f"**not exported yet:** exporting `{checkpoint_id}` runs code from its run's folder in this "
+                line += f"app: {code.describe()}; read it, then press Export again to run it"
+                return line, "", gr.skip()
             result, _ = self.memory.start(
                 Work(f"the export of {checkpoint_id}", None),
                 lambda _: exporting.export_with_gate(
-                    self.runs_dir / entry.run, fmt, out_name, runs_dir=self.runs_dir, checkpoint=step
+                    self.runs_dir / entry.run,
+                    fmt,
+                    out_name,
+                    runs_dir=self.runs_dir,
+                    consent=self.catalog.consent,
+                    checkpoint=step,
                 ),
             )
         except LorarlError as e:

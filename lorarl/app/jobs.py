@@ -3,17 +3,20 @@
 A run launched from the page is exactly ``lorarl train RECIPE --out RUNS/NAME [overrides]`` (``python -m lorarl.cli``,
 never a shell): the same code path and run folder as the terminal. The process gets its own session
 (``start_new_session``), so closing the page or the app never stops it; its stdout and stderr go to
-``RUNS/NAME/train.log`` (unbuffered, so the log grows as it trains). Who is training what is read from the run
-folders (:mod:`lorarl.runstate`: ``train.pid``), so a run started from a terminal counts too; a process this runner
-started is also counted before it has written its ``train.pid`` (while it loads the model).
+``RUNS/NAME/train.log`` (unbuffered, so the log grows as it trains). The runner keeps its own record of the
+processes it started (their ``Popen``): only those are ever signalled. A run folder's ``train.pid``
+(:mod:`lorarl.runstate`) is a file anyone who can write the folder can forge -- pid, start time, group and host --
+so it is only read: a run started from a terminal (or another app) is named when a launch or resume is pressed, and
+goes ahead when pressed again; Stop refuses it with a line saying what the file names.
 
 Each launch records ``RUNS/NAME/launch.json`` (:data:`lorarl.runstate.LAUNCH_FILE`): the recipe file, the overrides
 and the working folder, so a resume reads the recipe's relative paths (data, reward modules, tools) exactly as the
 launch did.
 
-The one-job rule: a launch or resume is refused, naming the live run, while any run under the runs folder (or a
-stage of a pipeline there, ``RUNS/NAME/STAGE``) has a live process. Stop sends SIGTERM
-(:func:`lorarl.runstate.request_stop`): the loop finishes its step, writes a checkpoint and exits 0. Resume
+The one-job rule: a launch or resume is refused, naming the live run, while a process this runner started trains;
+a live process that a run's (or a pipeline stage's, ``RUNS/NAME/STAGE``) ``train.pid`` names refuses it once
+(:meth:`JobRunner._refuse_if_live`). Stop sends SIGTERM to the runner's own child: the loop finishes its step,
+writes a checkpoint and exits 0. Resume
 (:func:`resume_source`) runs ``lorarl train RECIPE --out RUNS/NAME --resume [overrides]`` with the launch's recipe and
 overrides when they still give the run's saved ``recipe.yaml``, else ``RUNS/NAME/recipe.yaml`` itself.
 """
@@ -24,6 +27,7 @@ import contextlib
 import fcntl
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +37,7 @@ from pathlib import Path
 from lorarl.app.paths import check_run_name, checked_recipe, checked_run, is_inside, is_pipeline_dir, run_label
 from lorarl.config import load_recipe, parse_override
 from lorarl.errors import LorarlError
+from lorarl.runfiles import check_run_folder, open_nofollow
 from lorarl.runs import is_adapter
 from lorarl.runstate import (
     LAUNCH_FILE,
@@ -40,12 +45,13 @@ from lorarl.runstate import (
     PID_FILE,
     PRE_RUN_FILES,
     STATE_FILE,
+    describe_process,
     live_pid,
     now_iso,
+    proc_start_ticks,
+    process_owner,
     read_json,
     read_state,
-    request_stop,
-    stop_refusal,
     write_json_atomic,
     write_pid,
     write_state,
@@ -62,7 +68,7 @@ def launch_lock(runs_dir: Path):
     """Hold ``RUNS/.launch.lock`` (an exclusive ``flock``) while a launch checks the one-job rule and starts its
     process: two apps on one runs folder cannot both find it free at the same moment."""
     runs_dir.mkdir(parents=True, exist_ok=True)
-    with open(runs_dir / LAUNCH_LOCK, "a+b") as f:
+    with open_nofollow(runs_dir / LAUNCH_LOCK, "ab") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -259,19 +265,37 @@ class JobRunner:
         self.recipe_dirs = [Path(d) for d in recipe_dirs]
         self._procs: dict[Path, subprocess.Popen] = {}
         self._started: dict[Path, float] = {}  # when this runner started each run's current process
+        self._passed: set[tuple] = set()  # train.pid files of processes not started here, shown once and pressed on
         self._lock = threading.Lock()
 
     # ---- who is training -------------------------------------------------------------------------------------
-    def live(self) -> Path | None:
-        """The run folder a live process is training (this runner's child, or any ``train.pid`` of a run or a
-        pipeline stage under the runs folder), else None."""
+    def own_live(self) -> Path | None:
+        """The run folder a process this runner started (its own record, not a run folder's file) is training."""
         for run, proc in list(self._procs.items()):
             if proc.poll() is None:
                 return run
-        for run in run_dirs(self.runs_dir):
-            if (run / PID_FILE).exists() and live_pid(run) not in (None, os.getpid()):  # (this app trains nothing)
-                return run
         return None
+
+    def others(self) -> list[tuple[Path, int, tuple]]:
+        """``(run, pid, key)`` of each run or pipeline stage under the runs folder whose ``train.pid`` names a live
+        process this runner did not start (a run from a terminal, another app, or a forged file: a pid, its start
+        time and group can all be read and written by anyone who can write the folder), owned by this user; ``key``
+        tells that file apart from a later one."""
+        mine = {proc.pid for proc in self._procs.values() if proc.poll() is None} | {os.getpid()}  # (the app: no run)
+        found = []
+        for run in run_dirs(self.runs_dir):
+            pid = live_pid(run) if (run / PID_FILE).exists() else None
+            if pid is not None and pid not in mine and process_owner(pid) in (None, os.getuid()):
+                found.append((run, pid, (run, pid, proc_start_ticks(pid))))
+        return found
+
+    def live(self) -> Path | None:
+        """The run folder a live process is training: this runner's child, else a run of :meth:`others` not yet
+        pressed on (:meth:`_refuse_if_live`); None when none."""
+        own = self.own_live()
+        if own is not None:
+            return own
+        return next((run for run, _, key in self.others() if key not in self._passed), None)
 
     def label(self, run_dir: Path) -> str:
         """``NAME`` or ``PIPELINE/STAGE`` (:func:`lorarl.app.paths.run_label`)."""
@@ -284,12 +308,23 @@ class JobRunner:
         return self.runs_dir / self.label(c)
 
     def _refuse_if_live(self) -> None:
-        run = self.live()
+        """The one-job rule. A process this runner started refuses; a ``train.pid`` of a process it did not start
+        refuses once, saying what it names: pressed again, the launch or resume goes ahead (such a file never blocks
+        for good: it may be forged, or name a process that has nothing to do with training)."""
+        run = self.own_live()
         if run is not None:
             raise LorarlError(
                 f"run {self.label(run)} is training now (one run at a time on this machine); stop it or wait for it "
                 "to end"
             )
+        for run, pid, key in self.others():
+            if key not in self._passed:
+                self._passed.add(key)
+                raise LorarlError(
+                    f"run {self.label(run)}: its train.pid names {describe_process(pid)}, which this workbench did "
+                    "not start; one run at a time: if it trains that run, wait for it or stop it where it was "
+                    "started; if not, press the button again to go ahead"
+                )
 
     def returncode(self, run_dir: str | os.PathLike) -> int | None:
         """The exit code of the process this runner started for ``run_dir`` (None: running, or not started here)."""
@@ -312,6 +347,7 @@ class JobRunner:
             check_real_folder(run_dir, run_name)
             if not is_unstarted(run_dir):
                 raise LorarlError(f"run {run_name} already exists in {self.runs_dir}; pick another name or resume it")
+            check_run_folder(run_dir)  # a link left where the launch writes (train.log...): one line, nothing written
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / STATE_FILE).unlink(missing_ok=True)  # a launch stopped before training: started over
             write_launch(run_dir, recipe, overrides)
@@ -319,29 +355,30 @@ class JobRunner:
 
     def stop(self, run_dir: str | os.PathLike, wait_s: float = 10.0) -> str:
         """Ask the run to stop after its current step (it saves a checkpoint and exits 0); returns what was done.
-        A process this runner started that has not begun training yet (it has written no ``state.json`` of its own:
+        Only a process this runner started is signalled (SIGTERM through its ``Popen``); a run whose ``train.pid``
+        names another process is refused with one line naming it. A process this runner started that has not begun
+        training yet (it has written no ``state.json`` of its own:
         it still loads, and SIGTERM would end it before its handler is installed) is terminated; once it
         has exited (waited up to ``wait_s``) a folder without a state file gets state ``stopped`` at step 0, so
         Resume starts it (from its launch's recipe) and Launch may reuse the name."""
         run = self._run(run_dir)
         name = self.label(run)
         proc = self._procs.get(run)
+        if proc is None or proc.poll() is not None:  # signal only what this runner started: a train.pid is anyone's
+            pid = live_pid(run)
+            if pid is not None:
+                raise LorarlError(
+                    f"run {name}: not stopped: its train.pid names {describe_process(pid)}, which this workbench did "
+                    f"not start (it signals only its own processes); stop it where it was started, or remove "
+                    f"{run / PID_FILE} if nothing trains this run"
+                )
+            raise LorarlError(f"run {name} is not training; nothing to stop")
         # still loading: no state.json yet, or (a resume) only the one from before this process started
         state_mtime = (run / STATE_FILE).stat().st_mtime if (run / STATE_FILE).exists() else None
-        loading = (
-            proc is not None
-            and proc.poll() is None
-            and (state_mtime is None or state_mtime < self._started.get(run, float("inf")))
-        )
-        if not loading and request_stop(run, not_my_group=True):
+        loading = state_mtime is None or state_mtime < self._started.get(run, float("inf"))
+        proc.send_signal(signal.SIGTERM)  # (Popen signals nothing once it has reaped its child: no reused pid)
+        if not loading:
             return f"asked run {name} to stop: it finishes its step, saves a checkpoint and exits"
-        pid = live_pid(run)
-        why = stop_refusal(run, pid, not_my_group=True) if pid is not None and not loading else None
-        if why:
-            raise LorarlError(f"run {name}: not stopped: {why.split(': ', 1)[1]}")
-        if proc is None or proc.poll() is not None:
-            raise LorarlError(f"run {name} is not training; nothing to stop")
-        proc.terminate()
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
@@ -370,6 +407,7 @@ class JobRunner:
             if why:
                 raise LorarlError(why)
             recipe, overrides, cwd = resume_source(run, self.recipe_dirs, self.runs_dir)
+            check_run_folder(run)
             return self._spawn(run, train_argv(recipe, run, overrides, resume=True), cwd=cwd)
 
     def _spawn(self, run_dir: Path, argv: list[str], cwd: Path | None = None, fresh_log: bool = False) -> Path:
@@ -377,7 +415,7 @@ class JobRunner:
         appended to on resume)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        with open(run_dir / LOG_FILE, "wb" if fresh_log else "ab") as log:
+        with open_nofollow(run_dir / LOG_FILE, "wb" if fresh_log else "ab") as log:
             where = f" (in {cwd})" if cwd is not None and Path(cwd) != Path.cwd() else ""
             log.write(f"[{now_iso()}] $ {shlex.join(argv)}{where}\n".encode())
             log.flush()

@@ -33,6 +33,7 @@ from lorarl.app.paths import check_run_name, is_inside, shipped_recipes_dir
 from lorarl.chat.votes import PREFERENCES_FILE, ties_path, unpaired_path
 from lorarl.config import load_recipe, yaml_load
 from lorarl.errors import LorarlError
+from lorarl.runfiles import write_atomic
 from lorarl.runs import CHECKPOINTS, STEP_RE, is_adapter
 from lorarl.runstate import VOTES_FILE, VOTES_TIES_FILE
 
@@ -266,10 +267,6 @@ def snapshot_votes(votes: Path, run_dir: Path, unpaired: bool = False) -> Path:
         if not parts:
             dst.unlink(missing_ok=True)
             continue
-        tmp = dst.with_name(dst.name + ".tmp")
-        with open(tmp, "wb") as out:
-            for part in parts:
-                data = part.read_bytes()
-                out.write(data if not data or data.endswith(b"\n") else data + b"\n")
-        os.replace(tmp, dst)
+        data = [part.read_bytes() for part in parts]
+        write_atomic(dst, b"".join(d if not d or d.endswith(b"\n") else d + b"\n" for d in data))
     return run_dir / VOTES_FILE

@@ -13,8 +13,8 @@ On the quickstart task (``recipes/grpo_arithmetic.yaml``: two-digit additions, t
    :func:`threshold_agreement`), plus the judge's seconds.
 2. **Cost per GRPO step.** The real :class:`~lorarl.algos.grpo.GRPO` step (``steps`` steps after one warm-up step,
    the recipe's 8 prompts x 8 completions) with the rule reward alone, then with ``numeric_match`` + a pointwise
-   judge, then ``numeric_match`` + a group judge (``reward.max_failure_fraction: 1`` so a judge that cannot follow
-   the format does not stop the bench); the ratios are measured in the same process.
+   judge, then ``numeric_match`` + a group judge (``reward.max_failure_fraction: 1`` and ``max_failed_steps: 0``
+   so a judge that cannot follow the format does not stop the bench); the ratios are measured in the same process.
 
 The result is one JSON object (the CLI prints it last); ``--out`` gets ``result.json`` and ``judge.jsonl`` (a sample
 of judge prompts and answers).
@@ -165,6 +165,7 @@ def measure_step_cost(recipe_path: str, steps: int, overrides: list[str]) -> dic
         recipe = load_recipe(recipe_path, overrides)
         recipe.reward.functions = functions
         recipe.reward.max_failure_fraction = 1.0
+        recipe.reward.max_failed_steps = 0  # a judge that never parses is measured, not stopped
         shared = SharedBase.load(recipe.model)
         algo = GRPO(recipe, shared)
         times, reward_times = [], []

@@ -4,6 +4,7 @@ on top, then the layout, its events and the client API. Gradio is imported only 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from lorarl.chat.catalog import Catalog, default_base_model
@@ -98,6 +99,8 @@ def make_session(
     else:
         name = model or shared.cfg.name
     catalog = Catalog(runs, name)
+    for line in catalog.skipped:  # (the page's status line says it too)
+        print(f"lorarl chat: left out {line}", file=sys.stderr)
     pref_path = Path(preferences) if preferences else catalog.root / PREFERENCES_FILE
     return ChatSession(ChatEngine(shared, catalog), pref_path, ties_path(pref_path)), name
 

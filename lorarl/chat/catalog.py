@@ -22,6 +22,7 @@ from lorarl.errors import LorarlError
 from lorarl.model.shared import HEAD_FILE
 from lorarl.rewards.source import REWARD
 from lorarl.runs import ADAPTER_CONFIG, CHECKPOINTS, checkpoint_step, is_adapter, list_checkpoints
+from lorarl.runstate import error_line
 
 BASE_ID = "base"
 EXPORT_PREFIX = "export:"
@@ -69,7 +70,8 @@ class ScorerEntry:
 def read_recipe(run: Path) -> dict | None:
     """A run's ``recipe.yaml`` as plain data, with keys that moved read under their new names
     (:func:`lorarl.config.migrate.migrate`: ``rewards`` -> ``reward.functions``, ...), or None when it is missing or
-    unreadable. Read leniently and without validation: a bad recipe only costs the run its reward scorers."""
+    unreadable (not YAML, nested past the parser's depth, an alias bomb: :func:`lorarl.config.yaml_load`'s limits).
+    Read leniently and without validation: a bad recipe only costs the run its reward scorers."""
     import yaml
 
     from lorarl.config import yaml_load
@@ -80,7 +82,7 @@ def read_recipe(run: Path) -> dict | None:
         return None
     try:
         data = yaml_load(f.read_text(encoding="utf-8"))  # aliases bounded, like every recipe
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, LorarlError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -103,17 +105,30 @@ def recipe_model(recipe: dict | None) -> str | None:
 
 def rule_specs(recipe: dict | None) -> list[RewardSpec]:
     """The rule rewards a run was trained with: its ``reward.functions`` when its ``reward.source`` uses rules
-    (reward-model runs have none)."""
+    (reward-model runs have none). Raises LorarlError naming the key when they are not a list of ``{name, weight,
+    kwargs}`` with a string name, a numeric weight and a mapping of kwargs (the catalog then leaves them out)."""
     if not recipe or recipe.get("algo", "grpo") == "reward_model":
         return []
     reward = _section(recipe, "reward")
     if reward.get("source", RewardConfig.source) == "reward_model":
         return []
-    return [
-        RewardSpec(name=str(s["name"]), weight=float(s.get("weight", 1.0)), kwargs=dict(s.get("kwargs") or {}))
-        for s in reward.get("functions") or []
-        if isinstance(s, dict) and s.get("name")
-    ]
+    functions = reward.get("functions") or []
+    if not isinstance(functions, list):
+        raise LorarlError(f"reward.functions must be a list, got {type(functions).__name__}")
+    return [_rule_spec(i, s) for i, s in enumerate(functions) if isinstance(s, dict) and s.get("name")]
+
+
+def _rule_spec(i: int, s: dict) -> RewardSpec:
+    """``reward.functions[i]`` of a saved recipe as a :class:`RewardSpec`, or LorarlError naming the key."""
+    key = f"reward.functions[{i}]"
+    name, weight, kwargs = s["name"], s.get("weight", 1.0), s.get("kwargs") or {}
+    if not isinstance(name, str):
+        raise LorarlError(f"{key}.name must be a string, got {type(name).__name__}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise LorarlError(f"{key}.weight must be a number, got {weight!r:.40}")
+    if not isinstance(kwargs, dict):
+        raise LorarlError(f"{key}.kwargs must be a mapping, got {type(kwargs).__name__}")
+    return RewardSpec(name=name, weight=float(weight), kwargs=dict(kwargs))
 
 
 def normalize_model_name(name: str) -> str:
@@ -199,17 +214,27 @@ class Catalog:
             elif is_export(run):
                 self._add_export(entries, run.name, run)
             else:
-                why = self._scan_run(run, base_norm, entries, scorers)
+                found: tuple[dict, dict] = ({}, {})
+                try:
+                    why = self._scan_run(run, base_norm, *found, skipped)
+                except Exception as e:  # noqa: BLE001 - a folder can hold anything: one unreadable run hides no other
+                    why = f"not read: {e if isinstance(e, LorarlError) else error_line(e)}"
+                else:
+                    entries.update(found[0])
+                    scorers.update(found[1])
                 if why:
                     skipped.append(f"{run.name} ({why})")
         with self._lock:
             self.entries, self.scorers, self.skipped = entries, scorers, skipped
         return self
 
-    def _scan_run(self, run: Path, base_norm: str, entries: dict, scorers: dict) -> str | None:
-        """Add one run's adapters, scorers and exports; return why its adapters were left out, if they were."""
+    def _scan_run(self, run: Path, base_norm: str, entries: dict, scorers: dict, skipped: list[str]) -> str | None:
+        """Add one run's adapters, scorers and exports; return why its adapters were left out, if they were (reward
+        functions its recipe.yaml does not state right are left out alone, with why in ``skipped``)."""
         name = run.name
         recipe = read_recipe(run)
+        if recipe is None and (run / "recipe.yaml").is_file():
+            skipped.append(f"{name}'s reward functions and tools (its recipe.yaml could not be read)")
         model = recipe_model(recipe)
         why = None
         if model is not None and normalize_model_name(model) != base_norm:
@@ -224,7 +249,10 @@ class Catalog:
                     step = checkpoint_step(cp)
                     eid = f"{name}/{cp.name}"
                     entries[eid] = Entry(eid, "adapter", f"{name} · step {step}", folder, name, step)
-            self._add_scorers(scorers, name, run, recipe)
+            try:
+                self._add_scorers(scorers, name, run, recipe)
+            except LorarlError as e:
+                skipped.append(f"{name}'s reward functions (recipe.yaml: {e})")
         for sub in _visible_dirs(run):
             if sub.name not in SKIP_DIRS and is_export(sub):
                 self._add_export(entries, f"{name}/{sub.name}", sub)

@@ -32,6 +32,7 @@ from lorarl.errors import LorarlError
 from lorarl.model.sampling import generate_kwargs, use_clean_generation_config
 from lorarl.model.shared import SharedBase
 from lorarl.model.tokens import eos_token_ids, pad_left
+from lorarl.user_code import guarded
 
 PEFT_BASE = "__base__"  # PEFT's name for "no adapter" in a mixed adapter batch
 
@@ -295,4 +296,5 @@ class ChatEngine:
             return None
         code = self.catalog.scorer_code(scorer)
         self.catalog.consent.require(code, f"reward {scorer_id}")  # nothing from a run folder runs unseen
-        return self.scoring.score(scorer, conversations, answers, columns, code.digest if code else "")
+        with guarded(self.catalog.consent.check_load):  # (each load checked again: lorarl.chat.consent)
+            return self.scoring.score(scorer, conversations, answers, columns, code.digest if code else "")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
+from lorarl.user_code import guarded
 
 
 @dataclass
@@ -73,7 +74,8 @@ class RunTools:
         self.catalog.consent.require(code, f"pane {entry.id}")  # a run's own tools run only once allowed
         key = (entry.run, id(tok), path.stat().st_mtime_ns, code.digest if code else "")
         if key not in self._agents:
-            self._agents[key] = self._build(recipe, path, tok, eos_ids, entry.run)
+            with guarded(self.catalog.consent.check_load):  # (each load checked again: lorarl.chat.consent)
+                self._agents[key] = self._build(recipe, path, tok, eos_ids, entry.run)
         return self._agents[key]
 
     def _build(self, recipe: dict, path: Path, tok, eos_ids: list[int], run: str):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lorarl.chat.inputs import system_messages
 from lorarl.errors import LorarlError
+from lorarl.runfiles import open_nofollow
 
 PREFERENCES_FILE = "preferences.jsonl"
 VERDICTS = ("left", "right", "tie")
@@ -43,7 +44,7 @@ def append_jsonl(path: Path, record: dict) -> None:
     """Append one JSON line, flushed and fsynced (a crash never leaves half a line of an earlier vote)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, ensure_ascii=False) + "\n"
-    with _write_lock, open(path, "a", encoding="utf-8") as f:
+    with _write_lock, open_nofollow(path, "a") as f:  # a link planted in the runs folder is never written through
         f.write(line)
         f.flush()
         os.fsync(f.fileno())

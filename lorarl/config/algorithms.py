@@ -63,11 +63,23 @@ class GRPOConfig:
     group_size: int = 8  # completions per prompt (G)
     num_iterations: int = 1  # policy updates per rollout batch (mu); > 1 records old log-probs
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's geometric-mean ratio,
-    #   clipped per sequence (TRL's key); needs loss_reduction seq_mean_token_mean
+    #   clipped per sequence (TRL's key); needs loss_reduction seq_mean_token_mean (GSPO) or seq_mean_token_sum (LUSPO)
     clip_eps_low: float | None = None  # PPO-clip lower range; null: 0.2 (token level) or 3e-4 (sequence, GSPO paper)
     clip_eps_high: float | None = None  # upper range; > clip_eps_low is DAPO's clip-higher; null: 0.2 or 4e-4
-    loss_reduction: Literal["seq_mean_token_mean", "token_mean", "seq_sum_norm"] = "seq_mean_token_mean"  # GRPO/DAPO/Dr
-    #   GRPO; seq_sum_norm divides by all rows x max_new_tokens (TRL's dr_grpo), masked rows included
+    # the per-token policy term: clip (PPO / GRPO, GSPO at sequence level), cispo (clipped, detached IS weight x
+    # log-prob; MiniMax-M1), sapo (a soft gate instead of the clip), vespo (a gamma weight of the sequence IS weight)
+    policy_loss: Literal["clip", "cispo", "sapo", "vespo"] = "clip"
+    cispo_eps_max: float = 5.0  # policy_loss cispo: the cap on the IS ratio itself (ScaleRL's 5; TRL's epsilon_high)
+    sapo_temperature_pos: float = 1.0  # policy_loss sapo: the gate's temperature where the advantage is > 0 (TRL's)
+    sapo_temperature_neg: float = 1.05  # ... and where it is <= 0
+    vespo_k_pos: float = 2.0  # policy_loss vespo: the power k of the gamma weight for advantages >= 0 (TRL's)
+    vespo_lambda_pos: float = 3.0  # ... its decay lambda
+    vespo_k_neg: float = 3.0  # ... k for advantages < 0
+    vespo_lambda_neg: float = 2.0  # ... lambda for advantages < 0
+    loss_reduction: Literal[
+        "seq_mean_token_mean", "token_mean", "seq_sum_norm", "seq_mean_token_sum", "micro_batch_token_mean"
+    ] = "seq_mean_token_mean"  # GRPO / DAPO / Dr. GRPO (all rows x max_new_tokens, masked rows included) / LUSPO (each
+    #   sequence's token sum, mean over rows) / BNPO (each micro-batch's own token mean); docs/grpo_options.md
     std_scaling: Literal["group", "batch", "none"] = "group"  # advantage scale; none = Dr. GRPO
     unbiased_std: bool = False  # False: population std
     mask_truncated: bool = False  # completions without EOS contribute no loss (DAPO overlong filtering)
@@ -88,13 +100,26 @@ class GRPOConfig:
         check(self.clip_eps_low > 0, where, "grpo.clip_eps_low", "must be > 0")
         check(self.clip_eps_high > 0, where, "grpo.clip_eps_high", "must be > 0")
         check(self.entropy_coef >= 0, where, "grpo.entropy_coef", "must be >= 0")
+        check(self.cispo_eps_max > 0, where, "grpo.cispo_eps_max", "must be > 0")
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            check(getattr(self, key) > 0, where, f"grpo.{key}", "must be > 0")
+        for key in ("vespo_k_pos", "vespo_k_neg"):
+            check(getattr(self, key) >= 0, where, f"grpo.{key}", "must be >= 0")
         check(
-            self.importance_sampling_level == "token" or self.loss_reduction == "seq_mean_token_mean",
+            self.importance_sampling_level == "token"
+            or self.loss_reduction in ("seq_mean_token_mean", "seq_mean_token_sum"),
             where,
             "grpo.importance_sampling_level",
-            f"sequence (GSPO) needs grpo.loss_reduction: seq_mean_token_mean, got {self.loss_reduction}: GSPO's "
-            "objective is a mean over sequences; token_mean / seq_sum_norm would sum the sequence loss once per token, "
-            "weighting each sequence by its length",
+            f"sequence (GSPO) needs grpo.loss_reduction: seq_mean_token_mean (or LUSPO's seq_mean_token_sum), got "
+            f"{self.loss_reduction}: GSPO's objective is a mean over sequences; token_mean / seq_sum_norm / "
+            "micro_batch_token_mean would sum the sequence loss once per token, weighting each sequence by its length",
+        )
+        check(
+            self.importance_sampling_level == "token" or self.policy_loss != "vespo",
+            where,
+            "grpo.importance_sampling_level",
+            "must be token with grpo.policy_loss vespo: VESPO weighs the sequence's importance weight itself (from "
+            "the token ratios)",
         )
         self.kl.validate(where)
         self.dynamic_sampling.validate(where)
@@ -226,13 +251,20 @@ class RewardModelConfig:
         check(self.max_length >= 2, where, "reward_model.max_length", "must be >= 2")
 
 
+PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]  # TRL's SFTConfig.packing_strategy
+
+
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning of the policy adapter: loss on completion tokens only (lorarl.algos.sft)."""
 
     epochs: int = 1  # passes over the examples (train.steps may stop it first)
-    batch_size: int = 16  # examples per optimizer step
-    max_length: int = 1024  # prompt + completion tokens; longer rows are bad rows (data.on_bad_row)
+    batch_size: int = 16  # examples per optimizer step (with packing: packed rows per step, as TRL)
+    max_length: int = 1024  # prompt + completion tokens; longer rows are bad rows (data.on_bad_row); packed row length
+    packing: bool = False  # pack examples into rows of max_length tokens, no attention across examples (TRL's packing)
+    # bfd: best-fit decreasing, whole examples; bfd_split: longer examples cut into max_length pieces first;
+    # wrapped: one stream cut every max_length tokens, attending across examples (as TRL's; lorarl.data.packing)
+    packing_strategy: PackingStrategy = "bfd"
 
     def validate(self, where: str) -> None:
         check(self.epochs >= 1, where, "sft.epochs", "must be >= 1")
@@ -255,9 +287,29 @@ class RejectionSamplingConfig:
         check(self.max_per_prompt >= 0, where, "rejection_sampling.max_per_prompt", "must be >= 0 (0: no limit)")
 
 
-DPOLossName = Literal["sigmoid", "hinge", "ipo", "simpo", "sft"]
-PAIRWISE_NEEDING_REFERENCE = ("sigmoid", "hinge", "ipo")  # simpo and sft never run the reference
-LABEL_SMOOTHED = ("sigmoid", "simpo")  # the losses that read label_smoothing (sft has no labels)
+DPOLossName = Literal[
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "simpo",
+    "sft",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sigmoid_norm",
+]
+REFERENCE_FREE = ("simpo", "sft")  # every other loss reads the reference's log-probs
+LABEL_SMOOTHED = ("sigmoid", "simpo", "robust", "exo_pair", "aot", "aot_unpaired")  # those that read label_smoothing
+# the losses of the chosen - rejected score difference: the only ones f-DPO's divergences apply to (TRL's set)
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+SORTED_LOSSES = ("aot", "aot_unpaired")  # sort the pairs of a micro-batch: the sort's span is the micro-batch
 
 
 class PreferenceLosses:
@@ -301,8 +353,16 @@ class DPOConfig(PreferenceLosses):
     loss_type: Union[DPOLossName, list[DPOLossName]] = "sigmoid"  # noqa: UP007  the loader reads typing.Union
     loss_weights: list[float] | None = None  # one weight per loss_type entry (default: 1 each)
     beta: float = 0.1  # DPO's beta (IPO's tau; SimPO's beta, typically 2-2.5)
-    label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped, in [0, 0.5)
+    label_smoothing: float = 0.0  # the chance a label is flipped, in [0, 0.5): conservative DPO / SimPO (sigmoid,
+    #   simpo), robust (Robust DPO), aot / aot_unpaired; EXO's eps (exo_pair: > 0, the paper's 1e-3)
     simpo_gamma: float = 0.5  # SimPO's target reward margin gamma (loss_type simpo)
+    discopop_tau: float = 0.05  # DiscoPOP's temperature (loss_type discopop; the paper's 0.05)
+    # f-DPO: the divergence to the reference, through f'(pi / ref) in place of the log-ratio (TRL's key; sigmoid,
+    # sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft only)
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5  # alpha of alpha_divergence (TRL's form; 1 is the reverse KL)
+    use_weighting: bool = False  # WPO: each pair's loss x w(y_w) w(y_l), from the policy's own probabilities
+    ld_alpha: float | None = None  # LD-DPO: weight in [0, 1] of the tokens past the pair's shorter response; null: 1
     precompute_ref_log_probs: bool = False  # reference log-probs of every training pair once, before step 1
     epochs: int = 1  # passes over the pairs (train.steps may stop it first)
     batch_size: int = 16  # pairs per optimizer step
@@ -313,7 +373,7 @@ class DPOConfig(PreferenceLosses):
     @property
     def needs_reference(self) -> bool:
         """Whether any loss reads the reference's log-probs (simpo and sft do not)."""
-        return any(t in PAIRWISE_NEEDING_REFERENCE for t in self.loss_types)
+        return any(t not in REFERENCE_FREE for t in self.loss_types)
 
     def validate(self, where: str) -> None:
         types = self.loss_types
@@ -327,12 +387,55 @@ class DPOConfig(PreferenceLosses):
             self.label_smoothing == 0 or not unsmoothed,
             where,
             "dpo.label_smoothing",
-            f"applies to loss_type sigmoid and simpo only, not {', '.join(unsmoothed)}: set it to 0",
+            f"applies to loss_type {', '.join(LABEL_SMOOTHED)} only, not {', '.join(unsmoothed)}: set it to 0",
+        )
+        check(
+            "exo_pair" not in types or self.label_smoothing > 0,
+            where,
+            "dpo.label_smoothing",
+            "must be > 0 with loss_type exo_pair (EXO's eps: log eps is in the loss; the paper uses 1e-3)",
+        )
+        check(self.discopop_tau > 0, where, "dpo.discopop_tau", "must be > 0")
+        no_f = [t for t in types if t not in F_DIVERGENCE_LOSSES]
+        check(
+            self.f_divergence_type == "reverse_kl" or not no_f,
+            where,
+            "dpo.f_divergence_type",
+            f"{self.f_divergence_type} applies to loss_type {', '.join(F_DIVERGENCE_LOSSES)} only, not "
+            f"{', '.join(no_f)} (f-DPO's partition term cancels only in a chosen - rejected difference, as TRL says)",
+        )
+        check(
+            self.ld_alpha is None or 0 <= self.ld_alpha <= 1,
+            where,
+            "dpo.ld_alpha",
+            "must be in [0, 1] (1: plain DPO, 0: the longer response's excess tokens dropped) or null",
+        )
+        weighted_off = [t for t in types if t in (*SORTED_LOSSES, "sft")]
+        check(
+            not self.use_weighting or not weighted_off,
+            where,
+            "dpo.use_weighting",
+            f"WPO's per-pair weights do not apply to loss_type {', '.join(weighted_off)}: aot / aot_unpaired sort the "
+            "pairs (TRL refuses them too) and sft is a token mean over the batch (its weight would be the batch's "
+            "mean weight, a product micro-batches cannot split)",
         )
         check(self.epochs >= 1, where, "dpo.epochs", "must be >= 1")
         check(self.batch_size >= 1, where, "dpo.batch_size", "must be >= 1")
         check(self.max_length >= 2, where, "dpo.max_length", "must be >= 2")
         check(self.max_tokens_per_forward >= 0, where, "dpo.max_tokens_per_forward", "must be >= 0")
+
+    def check_micro_batch(self, micro_batch_size: int | str, where: str) -> None:
+        """aot / aot_unpaired sort the pairs of each micro-batch (TRL: of each per_device_train_batch_size): the sort's
+        span must be the recipe's choice, not the memory planner's."""
+        sorted_types = [t for t in self.loss_types if t in SORTED_LOSSES]
+        check(
+            not sorted_types or micro_batch_size != "auto",
+            where,
+            "train.micro_batch_size",
+            f"must be a number with dpo.loss_type {', '.join(sorted_types)}: the loss sorts the pairs of each "
+            "micro-batch (TRL: per_device_train_batch_size), so auto would let the memory planner change the loss; "
+            "set it to dpo.batch_size to sort the whole batch",
+        )
 
 
 OnlineDPOLossName = Literal["sigmoid", "hinge", "ipo", "sft"]

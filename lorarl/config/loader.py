@@ -29,6 +29,7 @@ _NOT_YAML_KEYS = {"source_path"}
 
 
 MAX_YAML_NODES = 20_000  # values a YAML document may hold once its aliases are expanded (recipes hold < 1,000)
+MAX_YAML_DEPTH = 100  # collections nested in collections (recipes nest < 10; PyYAML recurses once per level)
 MAX_INT = 2**31 - 1  # |int| of any recipe key
 MAX_FLOAT = 1e12  # |float| of any recipe key
 
@@ -36,7 +37,20 @@ MAX_FLOAT = 1e12  # |float| of any recipe key
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads ``1e-4`` as a float (YAML 1.2), not as the string PyYAML's YAML 1.1 gives; refuses a
     document whose aliases expand past :data:`MAX_YAML_NODES` values (an "alias bomb": a few lines of nested
-    aliases that expand to billions of values), a recursive alias and a key written twice in one mapping."""
+    aliases that expand to billions of values), a recursive alias, a key written twice in one mapping, and nesting
+    deeper than :data:`MAX_YAML_DEPTH` (which would take PyYAML seconds to reach Python's recursion limit)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def compose_document(self):
         node = super().compose_document()

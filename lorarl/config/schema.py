@@ -28,6 +28,7 @@ from lorarl.config.rewards import JudgeConfig, RemoteRewardConfig, validate_rewa
 
 Quantization = Literal["nf4", "none", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu"]
 Tracker = Literal["tensorboard", "trackio", "wandb"]  # train.report_to (lorarl.metrics)
 
 
@@ -38,6 +39,7 @@ class ModelConfig:
     name: str = "smollm2-135m"  # a name from `lorarl models`, a local transformers folder, or a hub name
     quantization: Quantization = "auto"  # CUDA: bf16 if its weights <= 5% of the card, else nf4; CPU: none
     dtype: DType = "auto"  # compute dtype: fp32 on CPU; on CUDA bf16 where native, else fp16 (loss-scaled)
+    device: Device = "auto"  # auto: CUDA when there is a GPU, else the CPU; cpu: the CPU even beside a GPU
     gradient_checkpointing: bool = True  # recompute activations in backward (memory for ~1/3 more time)
     trust_remote_code: bool = False  # run code shipped with a hub model (off: only transformers' own code)
     init_adapter: str | None = None  # start from a trained PEFT adapter; the reference is then that adapter, frozen
@@ -159,7 +161,12 @@ class RewardConfig:
     adapter: str | None = None  # the reward adapter + score head (recipes/reward_model.yaml's run dir or adapter)
     model_weight: float = 1.0  # source both: total = model_weight * reward-model score + weighted functions
     timeout_s: float = 60.0  # per call of one reward function on one batch; 0 = no limit
-    max_failure_fraction: float = 0.5  # failed reward calls (exception, timeout) before the run stops
+    # the run stops once one function was called 4 times and more than this fraction of its calls (exception,
+    # timeout, malformed result) or of its values (NaN, not a finite float32) failed; per function (docs/rewards.md)
+    max_failure_fraction: float = 0.5
+    # the run stops (exit 2) when one function has no usable value in this many steps in a row (every call failed,
+    # or every value it returned); a run that ends with a function that failed on all its steps fails too; 0: never
+    max_failed_steps: int = 2
 
     def validate(self, where: str) -> None:
         for i, spec in enumerate(self.functions):
@@ -167,6 +174,7 @@ class RewardConfig:
             validate_reward_entry(spec, where, i)
         check(self.timeout_s >= 0, where, "reward.timeout_s", "must be >= 0 (0: no limit)")
         check(0 < self.max_failure_fraction <= 1, where, "reward.max_failure_fraction", "must be in (0, 1]")
+        check(self.max_failed_steps >= 0, where, "reward.max_failed_steps", "must be >= 0 (0: never stop for it)")
 
 
 @dataclass
@@ -378,6 +386,8 @@ class Recipe:
                 section.validate(where)
         if self.algo in TRAINS_ON_SAMPLES:
             self.generation.validate_for_training(where)
+        if self.dpo is not None and self.algo == "dpo":
+            self.dpo.check_micro_batch(self.train.micro_batch_size, where)
         self.check_step_size(where)
         env_reward = self.agent is not None and bool(self.agent.environment)  # its get_reward (checked at import)
         check(

@@ -381,7 +381,9 @@ def bradley_terry_loss(
 # The one reduction
 # ---------------------------------------------------------------------------------------------------------------
 
-LossReduction = Literal["seq_mean_token_mean", "token_mean", "seq_sum_norm"]
+LossReduction = Literal[
+    "seq_mean_token_mean", "token_mean", "seq_sum_norm", "seq_mean_token_sum", "micro_batch_token_mean"
+]
 
 
 def _seq_mean_token_mean(
@@ -406,10 +408,29 @@ def _seq_sum_norm(
     return masked_sum(per_token, mask) / (total_rows * max_len)
 
 
+def _seq_mean_token_sum(
+    per_token: Tensor, mask: Tensor, *, total_rows: int, total_sequences: int, total_tokens: float, max_len: int
+) -> Tensor:
+    """LUSPO ("Length-Unbiased Sequence Policy Optimization", arXiv 2602.05261; TRL's ``luspo``, verl's ``seq-mean-token-sum``): ``sum_{i,t} l_{i,t} / total_rows``,
+    each sequence's loss summed over its tokens (scaled by its length), averaged over every row."""
+    return masked_sum(per_token, mask) / total_rows
+
+
+def _micro_batch_token_mean(
+    per_token: Tensor, mask: Tensor, *, total_rows: int, total_sequences: int, total_tokens: float, max_len: int
+) -> Tensor:
+    """BNPO (TRL's ``bnpo``): the token mean of THIS micro-batch, weighted by its share of the batch's rows:
+    ``(sum_{i,t} l_{i,t} / max(1, sum m)) * rows / total_rows`` (TRL: each micro-batch's token mean / the
+    accumulation steps, equal when the micro-batches have one size)."""
+    return masked_sum(per_token, mask) / mask.sum().clamp(min=1) * (mask.shape[0] / total_rows)
+
+
 LOSS_REDUCTIONS: dict[str, Callable[..., Tensor]] = {
     "seq_mean_token_mean": _seq_mean_token_mean,
     "token_mean": _token_mean,
     "seq_sum_norm": _seq_sum_norm,
+    "seq_mean_token_sum": _seq_mean_token_sum,
+    "micro_batch_token_mean": _micro_batch_token_mean,
 }
 
 
@@ -454,7 +475,10 @@ def reduce_loss(
       row of the batch, those with no valid token included (a truncated row under ``mask_truncated``): the
       normaliser is the same every step, as Dr. GRPO asks. TRL 1.16 divides each micro-batch by its own rows x
       ``max_completion_length`` x the accumulation steps; that equals this when the micro-batches are of one size
-      (lorarl's uneven last micro-batch is weighted by its rows, TRL's as a whole micro-batch).
+      (lorarl's uneven last micro-batch is weighted by its rows, TRL's as a whole micro-batch);
+    * ``"seq_mean_token_sum"`` (LUSPO; TRL's ``luspo``): ``sum_{i,t} m_it l_it / total_rows``;
+    * ``"micro_batch_token_mean"`` (TRL's ``bnpo``): this micro-batch's own token mean x its rows / ``total_rows``
+      -- the one reduction that depends on how the batch is split (as TRL's ``bnpo`` does).
 
     ``total_rows``: rows of the whole batch; ``total_sequences``: those with at least one valid token;
     ``total_tokens``: valid tokens in the whole batch (``mask.sum()``) -- :func:`batch_totals` computes all three;
@@ -465,7 +489,7 @@ def reduce_loss(
 
     Example: ``l = [[1, 3], [5, 0], [7, 7]]``, ``m = [[1, 1], [1, 0], [0, 0]]``, one micro-batch = the batch
     (``total_rows=3, total_sequences=2, total_tokens=3, max_len=4``): ``(2 + 5)/2 = 3.5``; ``9/3 = 3``;
-    ``9/(3*4) = 0.75``.
+    ``9/(3*4) = 0.75``; ``9/3 = 3``; ``9/3 * 3/3 = 3``.
     """
     try:
         reduction = LOSS_REDUCTIONS[mode]

@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["bool_mask", "zero_outside", "masked_sum", "masked_mean", "masked_var", "masked_whiten"]
 
 
-def _bool_mask(mask: Tensor, x: Tensor) -> Tensor:
+def bool_mask(mask: Tensor, x: Tensor) -> Tensor:
     """``mask`` as a bool tensor broadcast to the shape of ``x``."""
     m = mask if mask.dtype == torch.bool else mask != 0
     return torch.broadcast_to(m, x.shape)
 
 
-def _zero_outside(x: Tensor, m: Tensor) -> Tensor:
+def zero_outside(x: Tensor, m: Tensor) -> Tensor:
     """``x`` with entries outside the bool mask ``m`` replaced by 0 (gradient 0 there, even for NaN/inf)."""
     return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -39,7 +39,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None
 
     Example: ``masked_sum(tensor([[1., 2., 9.]]), tensor([[1, 1, 0]]))`` -> ``tensor(3.)``.
     """
-    selected = _zero_outside(x, _bool_mask(mask, x))
+    selected = zero_outside(x, bool_mask(mask, x))
     if dim is None:
         return selected.sum()
     return selected.sum(dim=dim)
@@ -56,7 +56,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
 
     Example: ``masked_mean(tensor([[1., 3., 9.]]), tensor([[True, True, False]]))`` -> ``tensor(2.)``.
     """
-    m = _bool_mask(mask, x)
+    m = bool_mask(mask, x)
     count = m.sum() if dim is None else m.sum(dim=dim)
     return masked_sum(x, m, dim=dim) / count.clamp(min=1).to(x.dtype)
 
@@ -74,8 +74,8 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     Example: ``masked_var(tensor([1., 2., 3., 100.]), tensor([1, 1, 1, 0]))`` -> ``tensor(1.)``
     (``2/3`` with ``unbiased=False``).
     """
-    m = _bool_mask(mask, x)
-    x = _zero_outside(x, m)  # padding may hold NaN/inf: keep it out of the graph
+    m = bool_mask(mask, x)
+    x = zero_outside(x, m)  # padding may hold NaN/inf: keep it out of the graph
     n = m.sum().to(x.dtype)
     mu = masked_mean(x, m)
     sq = masked_sum((x - mu) ** 2, m)
@@ -98,11 +98,11 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     Example: ``masked_whiten(tensor([1., 3.]), tensor([1, 1]))`` -> ``~tensor([-0.7071, 0.7071])``
     (mean 2, unbiased var 2).
     """
-    m = _bool_mask(mask, x)
-    x = _zero_outside(x, m)  # padding may hold NaN/inf: keep it out of the graph
+    m = bool_mask(mask, x)
+    x = zero_outside(x, m)  # padding may hold NaN/inf: keep it out of the graph
     mu = masked_mean(x, m)
     var = masked_var(x, m, unbiased=True)
     y = (x - mu) * torch.rsqrt(var + eps)
     if not shift_mean:
         y = y + mu
-    return _zero_outside(y, m)
+    return zero_outside(y, m)

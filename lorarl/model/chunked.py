@@ -5,6 +5,8 @@ paths), which use it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -22,6 +24,7 @@ def chunked_token_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
     entropy_grad: bool = True,
+    token_stat: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(lm_head(h_t) / temperature)[targets_t], computed a chunk of positions at a time.
 
@@ -37,6 +40,10 @@ def chunked_token_logprobs(
     and writes the log-softmax gradient into one fp32 buffer), so a chunk's backward holds the logits once instead
     of the several fp32 copies autograd would keep; its values and gradients are the checkpointed path's bit for bit
     (tests/test_model.py). ``entropy_grad`` True with an entropy: the checkpointed autograd path (an entropy bonus).
+
+    ``token_stat``: another statistic of each position's distribution returned in the entropy's place (with
+    ``with_entropy``), a function of ``log softmax`` ``[..., V]`` -> ``[...]`` (WPO's
+    :func:`~lorarl.core.preference_scores.log_sum_sq_probs`); None: the entropy.
     """
 
     def one_chunk(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +51,7 @@ def chunked_token_logprobs(
         lse = torch.logsumexp(logits, dim=-1)  # [B, c]
         lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
         if with_entropy:  # -inf logits (banned tokens) give 0, not NaN
-            ent = entropy_from_logprobs(logits - lse.unsqueeze(-1))
+            ent = (token_stat or entropy_from_logprobs)(logits - lse.unsqueeze(-1))
         else:
             ent = torch.zeros_like(lse)
         return lp, ent
@@ -59,7 +66,7 @@ def chunked_token_logprobs(
     for s in range(0, positions, step):
         h, tgt = hidden[:, s : s + step], targets[:, s : s + step]
         if torch.is_grad_enabled() and h.requires_grad and not (with_entropy and entropy_grad):
-            lp, ent = ChunkLogprobs.apply(h, tgt, lm_head, temperature, with_entropy)
+            lp, ent = ChunkLogprobs.apply(h, tgt, lm_head, temperature, with_entropy, token_stat)
         elif torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(one_chunk, h, tgt, use_reentrant=False)
         else:
@@ -85,12 +92,14 @@ class ChunkLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, tgt: torch.Tensor, head, temperature: float, with_entropy: bool):
+    def forward(ctx, h: torch.Tensor, tgt: torch.Tensor, head, temperature: float, with_entropy: bool, token_stat=None):
         with torch.no_grad():  # no graph, so the fp32 logits are divided and shifted in place (same values)
             logits = head(h).float().div_(temperature)  # [B, c, V]
             lse = torch.logsumexp(logits, dim=-1)  # [B, c]
             lp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
-            if with_entropy:  # entropy_from_logprobs, in place: -sum exp(lp') lp', lp' = max(x - lse, finfo.min)
+            if with_entropy and token_stat is not None:
+                ent = token_stat(logits.sub_(lse.unsqueeze(-1)))
+            elif with_entropy:  # entropy_from_logprobs, in place: -sum exp(lp') lp', lp' = max(x - lse, finfo.min)
                 logp = logits.sub_(lse.unsqueeze(-1)).clamp_(min=torch.finfo(logits.dtype).min)
                 ent = -logp.exp().mul_(logp).sum(dim=-1)
             else:
@@ -117,4 +126,4 @@ class ChunkLogprobs(torch.autograd.Function):
             d_out = dx.div_(ctx.temperature).to(out.dtype)
             del dx
         torch.autograd.backward(out, d_out)  # into h_in.grad and any trainable parameter of the head
-        return h_in.grad, None, None, None, None
+        return h_in.grad, None, None, None, None, None

@@ -20,8 +20,12 @@ from lorarl.model.precision import cuda_advice, cuda_auto_dtype, nf4_compute_dty
 from lorarl.model.registry import resolve_model
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def pick_device(setting: str = "auto") -> torch.device:
+    """The device a run uses (``model.device``): ``auto`` is CUDA when a GPU is visible, else the CPU; ``cpu`` is
+    the CPU even beside a GPU (TRL's ``use_cpu``)."""
+    if setting == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
 
 
 # ``model.quantization: auto`` keeps the weights in 16 bits while they take at most this share of the budget
@@ -134,7 +138,7 @@ def load_base(cfg: ModelConfig, device: torch.device | None = None):
     full precision."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    device = device or pick_device()
+    device = device or pick_device(cfg.device)
     path = resolve_model(cfg.name)
     quant = resolve_quantization(cfg, device, path, say=True)
     dtype = resolve_dtype(cfg, device)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from lorarl.errors import LorarlError
 from lorarl.model.kvcache import cache_arg, output_cache
 from lorarl.model.tokens import position_ids
 
@@ -107,6 +108,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     share_prompts: bool = True,
     entropy_grad: bool = True,
+    token_stat=None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[B, T]`` (and entropies) of the completion tokens of ``batch`` under the active role, with
     gradients if enabled (the entropy's only if ``entropy_grad``: an entropy that is only logged costs a chunk's
@@ -121,6 +123,8 @@ def completion_logprobs(
     implementation that takes no 4-D mask (sdpa and eager do) or with layers whose attention window
     (:func:`attention_window`) is shorter than a row: the packs' mask would let those layers see past their window
     (measured on a tiny Gemma-2 with an 8-token window: 0.11 nats per token from what the sampler drew with).
+    ``token_stat`` (with ``with_entropy``): another per-position statistic in the entropy's place
+    (:func:`~lorarl.model.chunked.chunked_token_logprobs`).
     """
     P = batch.prompt_ids.shape[1]
     starts, inverse = prompt_groups(batch.prompt_index)
@@ -133,10 +137,12 @@ def completion_logprobs(
     if not share_prompts or len(starts) == len(batch) or P < 2 or (checkpointing and not packs_exact):
         ids, att = joined(batch)
         return shared.token_logprobs(
-            ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy, entropy_grad
+            ids.to(shared.device), att.to(shared.device), P, temperature, with_entropy, entropy_grad, token_stat
         )
     if checkpointing:
-        return packed_completion_logprobs(shared, batch, temperature, with_entropy, entropy_grad=entropy_grad)
+        return packed_completion_logprobs(
+            shared, batch, temperature, with_entropy, entropy_grad=entropy_grad, token_stat=token_stat
+        )
     from transformers import DynamicCache
 
     dev = shared.device
@@ -161,7 +167,8 @@ def completion_logprobs(
     )
     last_prompt = out.last_hidden_state[:, -1:].index_select(0, rows)  # [B, 1, H]: predicts completion token 0
     hidden = torch.cat([last_prompt, c_out.last_hidden_state[:, :-1]], dim=1)  # [B, T, H]: state before token t
-    return shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
+    targets = batch.completion_ids.to(dev)
+    return shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
 
 
 PACK_TOKENS = 1024  # a pack holds one prompt and as many of its completions as fit in this many tokens
@@ -240,6 +247,7 @@ def packed_completion_logprobs(
     with_entropy: bool = False,
     pack_tokens: int = PACK_TOKENS,
     entropy_grad: bool = True,
+    token_stat=None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`completion_logprobs` through prompt-sharing packs (:func:`pack_completions`): one plain forward with
     a 4-D attention mask and no cache, so it works under activation checkpointing. For ``G`` completions of a
@@ -261,6 +269,32 @@ def packed_completion_logprobs(
     where = (packs.pack * L + packs.column).to(dev)  # [B, T] flat positions in the packs
     hidden = out.last_hidden_state.reshape(R * L, H).index_select(0, where.reshape(-1)).view(*where.shape, H)
     mask = batch.completion_mask.to(dev)
-    lp, ent = shared.hidden_logprobs(hidden, batch.completion_ids.to(dev), temperature, with_entropy, entropy_grad)
+    targets = batch.completion_ids.to(dev)
+    lp, ent = shared.hidden_logprobs(hidden, targets, temperature, with_entropy, entropy_grad, token_stat)
     lp = lp.masked_fill(~mask, 0.0)
     return lp, (ent.masked_fill(~mask, 0.0) if ent is not None else None)
+
+
+PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations transformers builds a packed-sequence mask for
+
+
+def packed_logprobs(shared: SharedBase, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+    """``log p(input_ids[:, t] | its segment's tokens before t)`` for ``t >= 1``: ``[R, L - 1]`` fp32 under the active
+    role (temperature 1), with gradients if enabled. Rows are packed examples (SFT packing,
+    :mod:`lorarl.data.packing`): ``position_ids [R, L]`` restart at 0 at each example (segment).
+
+    No attention mask is passed, so transformers builds the block-diagonal causal mask from the position ids, as
+    for TRL's padding-free batches (``masking_utils.find_packed_sequence_indices``: a new segment wherever a position
+    is not its predecessor's + 1; every family lorarl supports passes its position ids to its mask builder, and
+    sliding-window layers keep their window inside the segment). A token never attends across segments, and sees
+    the positions it has unpacked: the same log-probs as each example's own forward. Flash-attention reads packing
+    from position ids only for a batch of one row: refused."""
+    if shared.attn_implementation not in PACKED_ATTENTION:
+        raise LorarlError(
+            f"sft.packing: the base runs attention implementation {shared.attn_implementation!r}; lorarl packs with "
+            f"{' or '.join(PACKED_ATTENTION)} (transformers' packed-sequence mask): set sft.packing: false"
+        )
+    dev = shared.device
+    ids = input_ids.to(dev)
+    out = shared.decoder()(input_ids=ids, attention_mask=None, position_ids=position_ids.to(dev), use_cache=False)
+    return shared.hidden_logprobs(out.last_hidden_state[:, :-1], ids[:, 1:], 1.0)[0]

@@ -35,6 +35,7 @@ from lorarl.model.chunked import chunked_token_logprobs
 from lorarl.model.loading import OutputHead, load_base, logit_transform, lora_config, new_head
 from lorarl.model.sampling import use_clean_generation_config
 from lorarl.model.tokens import end_of_turn_id, eos_token_ids, last_token_index, position_ids
+from lorarl.runfiles import refuse_links
 
 REFERENCE = "reference"
 HEAD_FILE = "head.safetensors"
@@ -340,16 +341,18 @@ class SharedBase:
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        token_stat=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Policy / reference: log p(input_ids[:, t] | input_ids[:, :t]) for t >= start, at ``temperature``.
 
-        input_ids, attention_mask [B, L] -> logprobs [B, L - start] fp32 (entropy [B, L - start] if asked; with a
-        gradient only if ``entropy_grad``: :func:`~lorarl.model.chunked.chunked_token_logprobs`).
+        input_ids, attention_mask [B, L] -> logprobs [B, L - start] fp32 (entropy [B, L - start] if asked, or
+        ``token_stat`` in its place; with a gradient only if ``entropy_grad``:
+        :func:`~lorarl.model.chunked.chunked_token_logprobs`).
         """
         if start < 1:
             raise ValueError("start must be >= 1 (the first token has no prediction)")
         hidden = self.hidden_states(input_ids, attention_mask)[:, start - 1 : -1]
-        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy, entropy_grad)
+        return self.hidden_logprobs(hidden, input_ids[:, start:], temperature, with_entropy, entropy_grad, token_stat)
 
     def hidden_logprobs(
         self,
@@ -358,6 +361,7 @@ class SharedBase:
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        token_stat=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log softmax(output_head(hidden) / temperature)[targets]: hidden [B, T, H], targets [B, T] -> [B, T] fp32
         (entropy too if asked), a chunk of logits at a time as ``model.logprob_chunk_size`` and
@@ -371,6 +375,7 @@ class SharedBase:
             with_entropy,
             chunk_tokens=self.cfg.logprob_chunk_tokens,
             entropy_grad=entropy_grad,
+            token_stat=token_stat,
         )
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
@@ -415,7 +420,7 @@ class SharedBase:
         head.safetensors for roles with a head) at ``folder``, atomically (temp folder, then rename)."""
         from safetensors.torch import save_file
 
-        folder = Path(folder)
+        folder = refuse_links(folder)  # (lorarl.runfiles: nothing in a run folder is written through a link)
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:

@@ -26,7 +26,7 @@ from lorarl.config import yaml_load
 from lorarl.errors import LorarlError
 from lorarl.pipeline.report import Row, eval_row, stage_row, summary_table
 from lorarl.pipeline.spec import Pipeline, Stage
-from lorarl.runstate import write_text_atomic
+from lorarl.runfiles import write_atomic as write_file_atomic
 
 STAGE_DONE = "stage.json"
 EVALS = "evals"
@@ -35,7 +35,7 @@ EVALS = "evals"
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text)
+    write_file_atomic(path, text)
 
 
 def stage_plan(pipe: Pipeline) -> list[dict]:

@@ -120,9 +120,9 @@ def check_planned_memory(recipe, device_type: str | None = None, memory_bytes: i
     """Raise :class:`LorarlError` with :func:`memory_refusal`'s line when the recipe's step cannot fit this
     machine (``device_type``: cuda when a GPU is visible; ``memory_bytes``: :func:`machine_memory`)."""
     if device_type is None:
-        import torch
+        from lorarl.model.loading import pick_device
 
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = pick_device(recipe.model.device).type
     line = memory_refusal(recipe, device_type, memory_bytes or machine_memory(device_type))
     if line is not None:
         raise LorarlError(line)

@@ -416,9 +416,9 @@ def resolve_micro_batch(recipe, device_type: str | None = None, budget_gb: float
     if mb != "auto":
         return int(mb)
     if device_type is None:
-        import torch
+        from lorarl.model.loading import pick_device
 
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = pick_device(recipe.model.device).type
     if device_type != "cuda":
         return max(1, min(CPU_DEFAULT_MICRO_BATCH, recipe_settings(recipe, device_type=device_type).split_rows))
     if budget_gb is None:

@@ -9,7 +9,10 @@ is one adapter's forward + backward over micro-batches, then the optimizer.
   state: no vocabulary logits exist. The trained parameters are the ``reward`` adapter and its score head.
 * ``sft``: a step takes ``sft.batch_size`` examples, a micro-batch ``R = b`` rows of at most ``T = sft.max_length``
   tokens in one forward, the loss from chunks of logits (as GRPO's training computes them, without entropy). lorarl
-  runs a micro-batch's shared prompt prefix once; the plan counts every row in full (an upper bound).
+  runs a micro-batch's shared prompt prefix once; the plan counts every row in full (an upper bound). With
+  ``sft.packing`` a row is a packed row of up to ``T`` tokens, so every row is nearly full and the plan is nearly
+  exact rather than a bound; its attention mask (transformers' block-diagonal mask, ``R T^2`` bool) is inside the
+  ``3 g T^2`` term.
 
 ``training`` (gradients): every forward's graph lives until the micro-batch's loss runs backward, so what a forward
 keeps is held for all ``R T`` tokens: the adapter's gradients ``4 n`` + the checkpoints ``L R T H dt`` (without

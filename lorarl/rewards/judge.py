@@ -34,6 +34,7 @@ from lorarl.core.messages import completion_text
 from lorarl.errors import LorarlError
 from lorarl.model import SharedBase
 from lorarl.model.tokens import completion_mask
+from lorarl.rewards.call_args import CALL_ARGS
 from lorarl.rewards.judge_prompts import (
     DEFAULT_RUBRICS,
     JudgeParseError,
@@ -46,10 +47,11 @@ from lorarl.rewards.judge_prompts import (
     to_unit,
 )
 from lorarl.rollout.engines import HFEngine
+from lorarl.runfiles import open_nofollow
 from lorarl.runs import find_adapter, resolve_path
 
 JUDGE = "judge"  # the adapter name of a judge adapter on the shared base
-NOT_COLUMNS = ("completion_ids",)  # fields the scorer passes that are not dataset columns
+NOT_COLUMNS = ("completion_ids", *CALL_ARGS)  # fields the scorer passes that are not dataset columns
 
 
 def encode_judge_prompt(text: str, tokenizer, answer_prefix: str = "") -> list[int]:
@@ -193,7 +195,7 @@ class JudgeReward:
     def _log(self, judge_prompts, answers, groups, values, errors) -> None:
         if self.log_path is None or self.cfg.log_rows <= 0:
             return
-        with open(self.log_path, "a", encoding="utf-8") as f:
+        with open_nofollow(self.log_path, "a") as f:
             for prompt, answer, rows, error in list(zip(judge_prompts, answers, groups, errors))[: self.cfg.log_rows]:
                 scores = [None if math.isnan(values[i]) else values[i] for i in rows]
                 record = {"call": self.calls, "rows": rows, "mode": self.cfg.mode, "prompt": prompt, "answer": answer}

@@ -35,6 +35,7 @@ from typing import Any
 
 from lorarl.config.rewards import RemoteRewardConfig
 from lorarl.core.messages import completion_text
+from lorarl.rewards.call_args import CALL_ARGS
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 MAX_ANSWER_BYTES = 16 * 2**20  # a longer answer is a failed call
@@ -66,7 +67,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def request_body(prompts: list, completions: list, columns: dict[str, list]) -> dict:
-    """The JSON object POSTed for a batch (the module docstring's wire format)."""
+    """The JSON object POSTed for a batch (the module docstring's wire format): the data, not the trainer's objects
+    and callables (``trainer_state``, ``log_metric``, ``log_extra``, ``environments``)."""
+    columns = {k: v for k, v in columns.items() if k not in CALL_ARGS}
     body = {"prompts": list(prompts), "completions": list(completions), **columns}
     body["query"] = [prompt_text_of(p) + completion_text(c) for p, c in zip(prompts, completions)]
     if "answer" in columns and "labels" not in columns:

@@ -1,11 +1,14 @@
-"""Calling reward functions on a batch: each once, under a time limit, failures isolated and counted, then combined
-into a weighted total (NaN where no function has a value).
+"""Calling reward functions on a batch: each once, under a time limit, with every argument TRL's GRPOTrainer passes
+(:mod:`lorarl.rewards.call_args`), failures isolated and counted, then combined into a weighted total (NaN where no
+function has a value).
 
 ``async def`` functions (and the remote reward) run concurrently with each other on one event loop per scoring call
 (:mod:`lorarl.rewards.concurrent`), while the plain functions run one after the other as before. Two kinds of
-failure are counted, both against ``reward.max_failure_fraction``: a failed call (exception, timeout, malformed
-result: the function's whole column is NaN) and a failed value (the function returned NaN for a row, e.g. a judge
-answer that did not parse). ``None`` is not a failure: it means "does not apply" (TRL's convention).
+failure are counted per function (:mod:`lorarl.rewards.failures` decides when they stop the run): a failed call
+(exception, timeout, malformed result: the function's whole column is NaN) and a failed value (the function returned
+NaN for a row, e.g. a judge answer that did not parse, or a value that is not a finite float32: ``inf``, ``1e300``;
+also a weighted value ``weight x value`` past float32). ``None`` is not a failure: it means "does not apply" (TRL's
+convention).
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ import torch
 from lorarl.config import RewardSpec
 from lorarl.errors import LorarlError
 from lorarl.rewards.builtins import BUILTIN_REWARDS, RewardFn
+from lorarl.rewards.call_args import RewardLog, new_trainer_state
 from lorarl.rewards.concurrent import is_async_reward, start_async_rewards, unwrap_partial
+from lorarl.rewards.failures import check_failure_budget
 from lorarl.rewards.registry import RewardContext, _metric_names, build_reward_fn
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardTimeout(Exception):
@@ -89,6 +96,8 @@ class RewardScores:
     failures:     ``{name: "error message"}`` for the functions whose call failed on this batch, or some of whose
                   values failed (``"k of N values failed: ..."``).
     extra:        per-batch metrics of functions that report their own (``rewards/judge/failed_rows``, ...).
+    logged:       what the functions logged with ``log_metric``: ``{name: (sum, count)}``.
+    columns:      what they logged with ``log_extra``: ``{column: N values}`` (completions-table columns).
     """
 
     per_function: torch.Tensor
@@ -96,6 +105,12 @@ class RewardScores:
     names: list[str]
     failures: dict[str, str] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)
+    logged: dict[str, tuple[float, int]] = field(default_factory=dict)
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def usable(self) -> list[int]:
+        """Per function, the rows with a value (finite: failed values are NaN, like None)."""
+        return [int(n) for n in (~torch.isnan(self.per_function)).sum(dim=0).tolist()]
 
     def means(self) -> dict[str, float]:
         """Each function's mean over its non-NaN values (NaN if it has none)."""
@@ -109,10 +124,12 @@ class RewardScores:
 
 class RewardScorer:
     """Calls the recipe's reward functions on a batch and combines them into an ``[N, K]`` matrix and a weighted
-    total. Keeps count of calls and failures (exceptions, timeouts, malformed results) across the run, and of each
-    function's values and failed (NaN) values.
+    total. Keeps count, per function, of calls and failed calls (exceptions, timeouts, malformed results), and of
+    values and failed (NaN or non-finite) values, across the run.
 
-    ``context`` gives the entries that need more than their spec (``judge``: the shared base) what they need."""
+    ``context`` gives the entries that need more than their spec (``judge``: the shared base) what they need.
+    ``trainer_state`` is what the functions get as ``trainer_state`` when a call gives none (the run's, set by
+    :class:`~lorarl.rewards.source.RewardSource`; outside training a fresh one, step 0)."""
 
     def __init__(self, specs: list[RewardSpec], timeout_s: float | None = None, context: RewardContext | None = None):
         if not specs:
@@ -131,10 +148,22 @@ class RewardScorer:
                 _check_kwargs(fn, spec, i)
                 fn = functools.partial(fn, **spec.kwargs)
             self.fns.append(fn)
-        self.calls = 0
-        self.failures = 0
-        self.values = [0] * len(self.fns)  # per function: values returned (rows of calls that did not fail)
-        self.failed_values = [0] * len(self.fns)  # per function: of those, NaN (a failed value)
+        self.trainer_state = new_trainer_state()
+        k = len(self.fns)
+        self.batches = 0  # scoring calls (each calls every function once)
+        self.call_failures = [0] * k  # per function: failed calls
+        self.values = [0] * k  # per function: values returned (rows of calls that did not fail)
+        self.failed_values = [0] * k  # per function: of those, NaN or non-finite (a failed value)
+
+    @property
+    def calls(self) -> int:
+        """Function calls so far (all functions)."""
+        return self.batches * len(self.fns)
+
+    @property
+    def failures(self) -> int:
+        """Failed function calls so far (all functions; the ``reward_failures`` metric)."""
+        return sum(self.call_failures)
 
     @property
     def failure_fraction(self) -> float:
@@ -144,44 +173,39 @@ class RewardScorer:
         """Function ``k``'s failed values over its values (0 when it returned none)."""
         return self.failed_values[k] / self.values[k] if self.values[k] else 0.0
 
-    def check_failure_budget(self, max_fraction: float, last_failures: dict | None = None, min_calls: int = 4) -> None:
-        """Raise LorarlError once at least ``min_calls`` calls were made and more than ``max_fraction`` of the calls
-        failed, or of one function's values (``reward.max_failure_fraction``); ``last_failures`` (name -> error)
-        goes into the message."""
-        if self.calls < min_calls:
-            return
+    def check_failure_budget(self, max_fraction: float, last_failures: dict | None = None) -> None:
+        """Raise LorarlError once a function was called 4 times and more than ``max_fraction`` of its calls, or of
+        its values, failed (``reward.max_failure_fraction``, :func:`lorarl.rewards.failures.check_failure_budget`);
+        ``last_failures`` (name -> error) goes into the message."""
         last = "; ".join(f"{k}: {v}" for k, v in (last_failures or {}).items()) or "see above"
-        if self.failure_fraction > max_fraction:
-            raise LorarlError(
-                f"reward functions failed in {self.failures} of {self.calls} calls ({self.failure_fraction:.0%} > "
-                f"reward.max_failure_fraction={max_fraction:g}); last: {last}"
-            )
-        for k, name in enumerate(self.names):
-            if self.value_failure_fraction(k) > max_fraction:
-                raise LorarlError(
-                    f"reward {name}: {self.failed_values[k]} of its {self.values[k]} values failed "
-                    f"({self.value_failure_fraction(k):.0%} > reward.max_failure_fraction={max_fraction:g}); "
-                    f"last: {last}"
-                )
+        check_failure_budget(
+            self.names, self.batches, self.call_failures, self.values, self.failed_values, max_fraction, last
+        )
 
     def state_dict(self) -> dict:
         return {
-            "calls": self.calls,
-            "failures": self.failures,
+            "batches": self.batches,
+            "call_failures": list(self.call_failures),
             "values": list(self.values),
             "failed_values": list(self.failed_values),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.calls, self.failures = int(state["calls"]), int(state["failures"])
-        k = len(self.fns)  # checkpoints from before per-value counting hold only calls / failures
+        k = len(self.fns)
+        if "batches" in state:
+            self.batches = int(state["batches"])
+            self.call_failures = [int(v) for v in state["call_failures"]]
+        else:  # a checkpoint from before per-function counting: total calls and failures, whose only with one
+            self.batches = int(state["calls"]) // max(k, 1)
+            self.call_failures = [int(state["failures"])] if k == 1 else [0] * k
         self.values = [int(v) for v in state.get("values", [0] * k)]
         self.failed_values = [int(v) for v in state.get("failed_values", [0] * k)]
 
-    def score_rollout(self, prompts, rollout) -> RewardScores:
+    def score_rollout(self, prompts, rollout, *, trainer_state=None, environments: list | None = None) -> RewardScores:
         """Score the rows of a :class:`~lorarl.rollout.Rollout` whose prompts are rows of ``prompts`` (a
         :class:`~lorarl.data.PromptSet`, indexed by ``rollout.prompt_index``), with TRL's fields: the prompts, the
-        completions (messages for conversational prompts), the extra columns and the completion token ids."""
+        completions (messages for conversational prompts), the extra columns, the completion token ids, and
+        ``trainer_state`` / ``environments`` (:mod:`lorarl.rewards.call_args`)."""
         idx = rollout.prompt_index
         return self(
             [prompts.rows[i]["prompt"] for i in idx],
@@ -189,6 +213,8 @@ class RewardScorer:
             prompts.columns(idx),
             rollout.completion_token_lists(),
             group_size=rollout.group_size,
+            trainer_state=trainer_state,
+            environments=environments,
         )
 
     def __call__(
@@ -198,21 +224,72 @@ class RewardScorer:
         columns: dict[str, list] | None = None,
         completion_ids: list[list[int]] | None = None,
         group_size: int = 1,
+        *,
+        trainer_state=None,
+        environments: list | None = None,
     ) -> RewardScores:
         """Score ``N`` completions: every function once (the ``async def`` ones concurrently, on one event loop, while
-        the plain ones run); ``group_size``: consecutive rows answering the same prompt (group-relative judges)."""
+        the plain ones run), with TRL's arguments: ``prompts``, ``completions``, the ``columns`` by name,
+        ``completion_ids``, ``trainer_state`` (default: :attr:`trainer_state`), ``log_metric``, ``log_extra``, and
+        ``environments`` when given (one per completion). ``group_size``: consecutive rows answering the same prompt
+        (group-relative judges)."""
         n = len(completions)
-        columns = dict(columns or {})
+        log = RewardLog(n)
+        kwargs = dict(columns or {})
         if completion_ids is not None:
-            columns.setdefault("completion_ids", completion_ids)
+            kwargs.setdefault("completion_ids", completion_ids)
+        # TRL's GRPOTrainer._calculate_rewards passes these to every function (over a column of the same name)
+        state = self.trainer_state if trainer_state is None else trainer_state
+        kwargs.update(trainer_state=state, log_metric=log.log_metric, log_extra=log.log_extra)
+        if environments is not None:
+            if len(environments) != n:
+                raise ValueError(f"{len(environments)} environments for {n} completions")
+            kwargs["environments"] = list(environments)
 
         def call(fn):
             extra = {"group_size": group_size} if getattr(unwrap_partial(fn), "wants_group_size", False) else {}
-            return fn(prompts=prompts, completions=completions, **columns, **extra)
+            return fn(prompts=prompts, completions=completions, **kwargs, **extra)
 
+        outcomes = self._call_all(call)
         matrix = torch.full((n, len(self.fns)), float("nan"), dtype=torch.float32)
         failures: dict[str, str] = {}
         extra_metrics: dict[str, float] = {}
+        self.batches += 1
+        for k, (fn, name) in enumerate(zip(self.fns, self.names)):
+            ok, result = outcomes[k]
+            target = unwrap_partial(fn)
+            if hasattr(target, "step_metrics"):  # reported whether the call failed or not (retries, seconds, ...)
+                extra_metrics.update({f"rewards/{name}/{key}": v for key, v in target.step_metrics().items()})
+            try:
+                if not ok:
+                    raise result
+                matrix[:, k], n_failed, bad = _as_column(result, n, float(self.weights[k]))
+            except Exception as e:
+                self.call_failures[k] += 1
+                failures[name] = f"{type(e).__name__}: {e}"
+                continue
+            self.values[k] += n
+            self.failed_values[k] += n_failed
+            if n_failed:
+                why = bad or getattr(target, "last_value_error", None) or "returned NaN"
+                failures[name] = f"{n_failed} of {n} values failed ({why})"
+        valid = ~torch.isnan(matrix)
+        weighted = torch.where(valid, matrix.double() * self.weights.double(), torch.zeros((), dtype=torch.float64))
+        total = torch.where(valid.any(dim=1), weighted.sum(dim=1), torch.full((n,), float("nan"), dtype=torch.float64))
+        total = _overflow_to_nan(total, weighted, self.names, failures)
+        return RewardScores(
+            per_function=matrix,
+            total=total.float(),
+            names=list(self.names),
+            failures=failures,
+            extra=extra_metrics,
+            logged=log.metric_sums(),
+            columns=dict(log.columns),
+        )
+
+    def _call_all(self, call) -> dict[int, tuple[bool, Any]]:
+        """``{k: (True, result) | (False, exception)}``: every function once through ``call``, the async ones
+        concurrently on one event loop while the plain ones run, each under ``timeout_s``."""
         pending = start_async_rewards(
             {k: functools.partial(call, fn) for k, fn in enumerate(self.fns) if is_async_reward(fn)}, self.timeout_s
         )
@@ -225,31 +302,7 @@ class RewardScorer:
             except Exception as e:  # isolation: any failure of a user's function is recorded, never fatal here
                 outcomes[k] = (False, e)
         outcomes.update(pending.wait())
-        for k, (fn, name) in enumerate(zip(self.fns, self.names)):
-            self.calls += 1
-            ok, result = outcomes[k]
-            target = unwrap_partial(fn)
-            if hasattr(target, "step_metrics"):  # reported whether the call failed or not (retries, seconds, ...)
-                extra_metrics.update({f"rewards/{name}/{key}": v for key, v in target.step_metrics().items()})
-            try:
-                if not ok:
-                    raise result
-                matrix[:, k], n_failed = _as_column(result, n)
-            except Exception as e:
-                self.failures += 1
-                failures[name] = f"{type(e).__name__}: {e}"
-                continue
-            self.values[k] += n
-            self.failed_values[k] += n_failed
-            if n_failed:
-                why = getattr(target, "last_value_error", None) or "returned NaN"
-                failures[name] = f"{n_failed} of {n} values failed ({why})"
-        valid = ~torch.isnan(matrix)
-        weighted = torch.where(valid, matrix * self.weights, torch.zeros(()))
-        total = torch.where(valid.any(dim=1), weighted.sum(dim=1), torch.full((n,), float("nan")))
-        return RewardScores(
-            per_function=matrix, total=total, names=list(self.names), failures=failures, extra=extra_metrics
-        )
+        return outcomes
 
 
 def trl_completions(completions: list[str], conversational: bool) -> list:
@@ -273,16 +326,21 @@ def _check_kwargs(fn: RewardFn, spec: RewardSpec, index: int) -> None:
         raise LorarlError(f"rewards[{index}].kwargs: {spec.name} takes no argument {', '.join(unknown)}")
 
 
-def _as_column(values: Any, n: int) -> tuple[torch.Tensor, int]:
-    """A reward function's result -> (``[N]`` float32 with NaN for None and for NaN, the number of NaN values: the
-    failed ones). Raises ValueError when malformed."""
+def _as_column(values: Any, n: int, weight: float = 1.0) -> tuple[torch.Tensor, int, str | None]:
+    """A reward function's result -> (``[N]`` float32 with NaN for None and for each failed value, the number of
+    failed values, what the first non-finite one was). A failed value: NaN, or one that is not a finite float32
+    (``inf``, ``1e300``), or whose weighted value ``weight x value`` is not (it would make the group's advantages
+    NaN). Raises ValueError when malformed.
+
+    Example: ``[1.0, None, 1e300, nan]`` -> ``[1, nan, nan, nan]``, 2 failed, ``"returned 1e+300, not a finite
+    float32"``."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().tolist()
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"returned {type(values).__name__}, expected a list of {n} floats")
     if len(values) != n:
         raise ValueError(f"returned {len(values)} values for {n} completions")
-    out, failed = [], 0
+    out, failed, bad = [], 0, None
     for v in values:
         if v is None:
             out.append(float("nan"))
@@ -292,9 +350,28 @@ def _as_column(values: Any, n: int) -> tuple[torch.Tensor, int]:
                 v = float(v)
             except (TypeError, ValueError):
                 raise ValueError(f"returned a non-number {v!r}") from None
-        v = float(v)
-        if math.isinf(v):
-            raise ValueError("returned an infinite reward")
+        try:
+            v = float(v)
+        except OverflowError:  # an int past float64
+            v = math.inf
+        if not math.isnan(v) and not abs(v) * abs(weight) <= FLOAT32_MAX:
+            if bad is None:
+                past = "not a finite float32" if not abs(v) <= FLOAT32_MAX else f"x weight {weight:g} past float32"
+                bad = f"returned {v:g}, {past}"
+            v = float("nan")
         failed += math.isnan(v)
         out.append(v)
-    return torch.tensor(out, dtype=torch.float32), failed
+    return torch.tensor(out, dtype=torch.float32), failed, bad
+
+
+def _overflow_to_nan(total: torch.Tensor, weighted: torch.Tensor, names: list[str], failures: dict) -> torch.Tensor:
+    """Rows whose weighted total ``sum_k w_k r_k`` (``total`` ``[N]``, float64, from ``weighted`` ``[N, K]``) is past
+    float32 -> NaN (left out), each counted against the function with the largest ``|w_k r_k|`` of the row in
+    ``failures``."""
+    over = ~torch.isnan(total) & (total.abs() > FLOAT32_MAX)
+    if not over.any():
+        return total
+    for row in over.nonzero().squeeze(1).tolist():
+        name = names[int(weighted[row].abs().argmax())]
+        failures.setdefault(name, f"a weighted total of {float(total[row]):g} past float32 (row {row})")
+    return torch.where(over, torch.full_like(total, float("nan")), total)

@@ -9,6 +9,7 @@ The reward adapter (``recipes/reward_model.yaml`` trains it) is loaded frozen, w
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,9 @@ from lorarl.errors import LorarlError
 from lorarl.model import HEAD_FILE, SharedBase
 from lorarl.model.tokens import end_finished_with
 from lorarl.phases import phase
+from lorarl.rewards.call_args import LOG_METRIC_PREFIX, add_logged, new_trainer_state, pool_sums, set_steps_done
 from lorarl.rewards.concurrent import unwrap_partial
+from lorarl.rewards.failures import FailureStreaks
 from lorarl.rewards.registry import RewardContext
 from lorarl.rewards.scorer import RewardScorer, RewardScores
 from lorarl.runs import find_adapter, resolve_path
@@ -65,6 +68,25 @@ def reward_model_scores(shared: SharedBase, ids: Tensor, att: Tensor, batch_size
 
 
 @dataclass
+class EnvironmentReward:
+    """An environment's ``get_reward()`` over a rollout's ``n`` rows, held to the same failure rules as a reward
+    function under its class name ``name`` (TRL's name for it): ``usable`` rows had a finite value, ``failed`` rows
+    failed (``get_reward`` or ``reset`` raised, or a value not a finite float32), ``error`` the first failure."""
+
+    name: str
+    n: int
+    usable: int
+    failed: int
+    error: str | None
+
+
+def environment_reward(name: str, values: Tensor, errors: list[str | None]) -> EnvironmentReward:
+    """``values`` ``[N]`` (NaN where none) and each row's error (None: none) -> :class:`EnvironmentReward`."""
+    failed = [e for e in errors if e]
+    return EnvironmentReward(name, len(errors), int((~torch.isnan(values)).sum()), len(failed), (failed or [None])[0])
+
+
+@dataclass
 class SourceScores:
     """Scores of ``N`` responses.
 
@@ -73,11 +95,13 @@ class SourceScores:
         group, PPO out of its update, each counting failures against ``reward.max_failure_fraction``.
     reward_model: ``[N]`` the reward adapter's scores, or None.
     rules: the rule rewards (per function, weighted total, failures), or None.
+    environment: an environment's ``get_reward()`` (:class:`EnvironmentReward`), or None.
     """
 
     total: Tensor
     reward_model: Tensor | None
     rules: RewardScores | None
+    environment: EnvironmentReward | None = None
 
     def means(self) -> dict[str, float]:
         """``rewards/<function>/mean``, the functions' own per-batch metrics (``rewards/judge/failed_rows``, ...) and
@@ -87,6 +111,11 @@ class SourceScores:
         if self.reward_model is not None:
             out["rm_score"] = float(self.reward_model.mean())
         return out
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """What the reward functions logged with ``log_extra``: ``{column: N values}``."""
+        return self.rules.columns if self.rules else {}
 
 
 class RewardSource:
@@ -105,6 +134,9 @@ class RewardSource:
         batch_size: int = 32,
         key: str = "reward.source",
         adapter_key: str = "reward.adapter",
+        max_failed_steps: int = 2,
+        trainer_state=None,
+        environments: bool = False,
     ):
         if source not in SOURCES:
             raise LorarlError(f"{key} must be one of {', '.join(SOURCES)}, got {source!r}")
@@ -122,9 +154,32 @@ class RewardSource:
             self.adapter = add_reward_role(shared, adapter, recipe_path)
         context = RewardContext(shared=shared, recipe_path=recipe_path)
         self.rules = RewardScorer(rules, timeout_s=timeout_s, context=context) if self.uses_rules else None
+        # what the functions get as trainer_state (one object for the run, as TRL's): set per step
+        self.trainer_state = trainer_state if trainer_state is not None else new_trainer_state()
+        if self.rules is not None:
+            self.rules.trainer_state = self.trainer_state
+            if not environments:
+                refuse_environment_rewards(self.rules)
+        self.streaks = FailureStreaks(max_failed_steps)
+        self._moved: set[str] = set()  # logged metric names already said to be moved (one notice each)
+        self._rows: int | None = None  # the training prompts (trainer_state's epochs)
+        self._logged: dict[str, tuple[float, int]] = {}  # log_metric (sum, count) of the step's calls so far
 
-    def score_rollout(self, prompts, rollout) -> SourceScores:
-        """Score a rollout whose rows answer rows ``rollout.prompt_index`` of ``prompts`` (a PromptSet)."""
+    def score_rollout(
+        self,
+        prompts,
+        rollout,
+        step: int | None = None,
+        environments: list | None = None,
+        environment: EnvironmentReward | None = None,
+    ) -> SourceScores:
+        """Score a rollout whose rows answer rows ``rollout.prompt_index`` of ``prompts`` (a PromptSet); ``step``:
+        the training step it belongs to (sets ``trainer_state``: ``step - 1`` steps done; None, as in an evaluation,
+        leaves it as it is); ``environments``: the rollout's environment instances, one per row; ``environment``:
+        their ``get_reward()``, carried for :meth:`report_failures` (the caller adds it to the total)."""
+        if step is not None:  # a training step's call
+            self._rows = len(prompts)
+            set_steps_done(self.trainer_state, step - 1, self._rows)
         rm = None
         total = torch.zeros(len(rollout)) if self.uses_rm else torch.full((len(rollout),), float("nan"))
         if self.uses_rm:
@@ -140,21 +195,55 @@ class RewardSource:
         rules = None
         if self.uses_rules:
             with phase("rewards"):
-                rules = self.rules.score_rollout(prompts, rollout)
+                rules = self.rules.score_rollout(prompts, rollout, environments=environments)
+            if step is not None:  # log_metric values: averaged over every call of the step (with_logged)
+                self._logged = pool_sums(self._logged, rules.logged)
             # NaN where the rule functions have no value for a row (they failed, or returned None), with a reward
             # model too: its score alone is not the recipe's total, so the row is left out as with rules alone
             total = rules.total if rm is None else total + rules.total
-        return SourceScores(total=total, reward_model=rm, rules=rules)
+        return SourceScores(total=total, reward_model=rm, rules=rules, environment=environment)
 
     def report_failures(self, scored: SourceScores, step: int, max_fraction: float, treated: str) -> None:
-        """One line per reward function that failed in ``scored`` (``step N: reward NAME failed (ERROR); TREATED``,
-        ``treated`` saying what the loop does with its values), then the run's failure budget: raises LorarlError
-        past ``max_fraction`` (``reward.max_failure_fraction``) of the calls or of one function's values."""
-        if scored.rules is None:
-            return
-        for name, err in scored.rules.failures.items():
+        """A training scoring call of step ``step``: one line per reward function that failed in ``scored`` (``step
+        N: reward NAME failed (ERROR); TREATED``, ``treated`` saying what the loop does with its values), the call
+        recorded for :meth:`end_step`, then the run's failure budget: raises LorarlError past ``max_fraction``
+        (``reward.max_failure_fraction``) of one function's calls or values (:mod:`lorarl.rewards.failures`)."""
+        rules, env = scored.rules, scored.environment
+        usable = dict(zip(rules.names, rules.usable())) if rules else {}
+        failures = dict(rules.failures) if rules else {}
+        if env is not None:  # an environment's get_reward(): the same rules, under its class name
+            usable[env.name] = env.usable
+            if env.failed:
+                failures[env.name] = f"{env.failed} of {env.n} values failed ({env.error})"
+        for name, err in failures.items():
             tqdm.write(f"step {step}: reward {name} failed ({err}); {treated}")
-        self.rules.check_failure_budget(max_fraction, scored.rules.failures)
+        self.streaks.record(usable, failures)
+        if rules is not None:
+            self.rules.check_failure_budget(max_fraction, rules.failures)
+
+    def end_step(self, step: int) -> None:
+        """After step ``step``'s scoring, before it trains: raises LorarlError when a function had no usable value in
+        ``reward.max_failed_steps`` steps in a row (:class:`~lorarl.rewards.failures.FailureStreaks`). From here
+        ``trainer_state`` counts step ``step`` as done (what a held-out evaluation after it sees, as TRL's)."""
+        self.streaks.end_step(step)
+        set_steps_done(self.trainer_state, step, self._rows)
+
+    def check_finished(self) -> None:
+        """At the end of a run: raises LorarlError when a function failed on every step of the run."""
+        self.streaks.check_finished()
+
+    def with_logged(self, row: dict) -> dict:
+        """``row`` (a step's metrics) with the mean of each metric the functions logged with ``log_metric`` in the
+        step's scoring calls (since the last ``with_logged``) under its name, or ``log_metric/<name>`` where lorarl
+        logs that name itself (one notice per name)."""
+        logged, self._logged = self._logged, {}
+        moved = add_logged(row, {k: s / c for k, (s, c) in logged.items() if c}, LOG_METRIC_PREFIX)
+        for name in set(moved) - self._moved:
+            self._moved.add(name)
+            tqdm.write(
+                f"log_metric({name!r}): lorarl logs {name} itself; this value is logged as {LOG_METRIC_PREFIX}{name}"
+            )
+        return row
 
     @property
     def calls(self) -> int:
@@ -164,12 +253,18 @@ class RewardSource:
     def failures(self) -> int:
         return self.rules.failures if self.rules else 0
 
+    @property
+    def failed_values(self) -> int:
+        return sum(self.rules.failed_values) if self.rules else 0
+
     def state_dict(self) -> dict:
-        return self.rules.state_dict() if self.rules else {"calls": 0, "failures": 0}
+        counts = self.rules.state_dict() if self.rules else {"calls": 0, "failures": 0}
+        return {**counts, "streaks": self.streaks.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if self.rules is not None:
             self.rules.load_state_dict(state)
+        self.streaks.load_state_dict(state.get("streaks"))
 
     def log_to(self, run_dir: str | os.PathLike) -> None:
         """Reward functions that log samples (an LLM judge's prompts and answers) write them under ``run_dir``."""
@@ -179,10 +274,27 @@ class RewardSource:
                 fn.log_to(Path(run_dir))
 
 
+def refuse_environment_rewards(scorer: RewardScorer) -> None:
+    """A reward function that needs ``environments`` (no default) in a recipe without an environment: one line, at
+    set-up (TRL passes ``environments`` only with ``environment_factory``)."""
+    for i, (fn, name) in enumerate(zip(scorer.fns, scorer.names)):
+        try:
+            param = inspect.signature(fn).parameters.get("environments")
+        except (TypeError, ValueError):
+            continue
+        if param is not None and param.default is inspect.Parameter.empty and param.kind != param.VAR_KEYWORD:
+            raise LorarlError(
+                f"reward.functions[{i}]: {name} takes environments (the rollout's environment instances, TRL's "
+                "environment_factory) but the recipe has no agent.environment"
+            )
+
+
 def reward_source(recipe, shared: SharedBase, batch_size: int | None = None) -> RewardSource:
     """The recipe's ``reward`` section as a :class:`RewardSource` on ``shared`` (``batch_size``: rows per reward-model
-    forward; default ``eval.batch_size``)."""
-    r = recipe.reward
+    forward; default ``eval.batch_size``), its ``trainer_state`` sized for the run (``train.steps`` steps of
+    ``train.prompts_per_step`` prompts)."""
+    r, t = recipe.reward, recipe.train
+    state = new_trainer_state(t.steps, t.prompts_per_step, t.log_every, t.save_every, recipe.eval.every)
     return RewardSource(
         shared,
         r.source,
@@ -192,4 +304,7 @@ def reward_source(recipe, shared: SharedBase, batch_size: int | None = None) -> 
         timeout_s=r.timeout_s or None,
         recipe_path=recipe.source_path,
         batch_size=batch_size or recipe.eval.batch_size,
+        max_failed_steps=r.max_failed_steps,
+        trainer_state=state,
+        environments=bool(recipe.agent is not None and recipe.agent.environment),
     )

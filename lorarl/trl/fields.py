@@ -82,9 +82,56 @@ def _steps_of(value: float, ctx: dict) -> int:
     return int(value)
 
 
+def precision(bf16: bool, fp16: bool, device: str, capability: tuple[int, int] | None) -> tuple[str, str]:
+    """``(model.dtype, why or "")`` of TRL's mixed-precision flags with the meaning they have in TRL on the device the
+    run uses (``device``: ``cpu`` or ``cuda``; ``capability``: the GPU's compute capability). ``why`` is a notice
+    where lorarl's choice is not the flag's name:
+
+    * CPU: ``bf16`` -> bfloat16 (accelerate autocasts bf16 on the CPU); ``fp16`` -> float32 (accelerate autocasts
+      fp16 on GPUs only: TRL runs without autocast there; notice); neither -> float32.
+    * CUDA: ``bf16`` -> bfloat16 where the GPU has it natively (compute capability 8.0 and up), else float16 with
+      dynamic loss scaling (transformers accepts bf16 there, emulated many times slower; lorarl refuses emulated
+      bf16 at load: notice); ``fp16`` -> float16 (loss-scaled, as transformers' GradScaler); neither -> float32.
+
+    Example: ``precision(True, False, "cuda", (7, 5))`` (a T4) -> ``("float16", "... no native bfloat16 ...")``.
+    """
+    from lorarl.model.precision import native_bf16
+
+    if device != "cuda":
+        if fp16:
+            return (
+                "float32",
+                "no fp16 on the CPU (accelerate autocasts it on GPUs only; TRL runs without autocast): float32",
+            )
+        return ("bfloat16" if bf16 else "float32"), ""
+    if fp16:
+        return "float16", ""
+    if bf16 and not native_bf16(capability):
+        cc = ".".join(map(str, capability or ()))
+        return "float16", (
+            f"this GPU (compute capability {cc}) has no native bfloat16 (emulated, many times slower): lorarl computes "
+            "in float16 with dynamic loss scaling (model.dtype auto)"
+        )
+    return ("bfloat16" if bf16 else "float32"), ""
+
+
+def run_device(args: Any) -> tuple[str, tuple[int, int] | None]:
+    """``(device type, compute capability or None)`` a run of TRL config ``args`` uses on this machine: the CPU with
+    ``use_cpu`` or without a visible GPU, else CUDA (as transformers' ``TrainingArguments.device``)."""
+    import torch
+
+    if args.use_cpu or not torch.cuda.is_available():
+        return "cpu", None
+    return "cuda", tuple(torch.cuda.get_device_capability())
+
+
 def _dtype(_value: Any, ctx: dict) -> dict:
     a = ctx["args"]
-    return {"model.dtype": "float16" if a.fp16 else "bfloat16" if a.bf16 else "float32"}
+    dtype, why = precision(bool(a.bf16), bool(a.fp16), *run_device(a))
+    if why:
+        flag = "fp16" if a.fp16 else "bf16"
+        ctx["notices"].append(f"{ctx['cls']}.{flag}=True: {why}")
+    return {"model.dtype": dtype}
 
 
 def _scheduler(value: Any, ctx: dict) -> dict:
@@ -170,16 +217,28 @@ def _grpo_batch(value: int, ctx: dict) -> dict:
     return {"train.prompts_per_step": rows // a.num_generations, "train.micro_batch_size": value}
 
 
+# TRL's GRPO loss_type -> (grpo.policy_loss, grpo.loss_reduction): TRL's one name is lorarl's two keys
+GRPO_LOSS_TYPES = {
+    "grpo": ("clip", "seq_mean_token_mean"),
+    "dapo": ("clip", "token_mean"),
+    "dr_grpo": ("clip", "seq_sum_norm"),
+    "bnpo": ("clip", "micro_batch_token_mean"),
+    "luspo": ("clip", "seq_mean_token_sum"),
+    "cispo": ("cispo", "token_mean"),
+    "sapo": ("sapo", "seq_mean_token_mean"),
+    "vespo": ("vespo", "token_mean"),
+}
+
+
 def _grpo_loss(value: str, ctx: dict) -> dict:
-    table = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "seq_sum_norm"}
-    if value not in table:
-        refuse(
-            f"{ctx['cls']}.loss_type",
-            value,
-            "lorarl's GRPO losses are grpo, dapo and dr_grpo (grpo.loss_reduction: seq_mean_token_mean, token_mean, "
-            "seq_sum_norm); bnpo normalises per micro-batch, which lorarl does not: use dapo",
-        )
-    return {"grpo.loss_reduction": table[value]}
+    if value not in GRPO_LOSS_TYPES:
+        refuse(f"{ctx['cls']}.loss_type", value, f"TRL 1.16's GRPO loss types are {', '.join(GRPO_LOSS_TYPES)}")
+    policy, reduction = GRPO_LOSS_TYPES[value]
+    keys = {"grpo.policy_loss": policy, "grpo.loss_reduction": reduction}
+    if value == "cispo":  # TRL's epsilon_high is CISPO's eps_max (None -> epsilon, as TRL reads it)
+        a = ctx["args"]
+        keys["grpo.cispo_eps_max"] = a.epsilon if a.epsilon_high is None else a.epsilon_high
+    return keys
 
 
 def _scale_rewards(value: Any, ctx: dict) -> dict:
@@ -203,11 +262,20 @@ def _sync_ref(value: bool, ctx: dict) -> dict:
     return {"grpo.kl.ref_refresh_every": a.ref_model_sync_steps}
 
 
+# TRL 1.16's DPOTrainer loss types (its _compute_loss): lorarl has each under the same name
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+
+
 def _dpo_losses(value: Any, ctx: dict) -> dict:
     names = [value] if isinstance(value, str) else list(value)
-    bad = [n for n in names if n not in ("sigmoid", "hinge", "ipo", "sft")]
+    bad = [n for n in names if n not in DPO_LOSS_TYPES]
     if bad:
-        refuse(f"{ctx['cls']}.loss_type", value, f"lorarl's DPO losses are sigmoid, hinge, ipo and sft, not {bad}")
+        refuse(
+            f"{ctx['cls']}.loss_type", value, f"TRL 1.16's DPO loss types are {', '.join(DPO_LOSS_TYPES)}, not {bad}"
+        )
     return {"dpo.loss_type": names if len(names) > 1 else names[0]}
 
 
@@ -254,15 +322,7 @@ def _one_generation(value: Any, ctx: dict) -> dict:
 
 
 def _use_cpu(value: bool, ctx: dict) -> dict:
-    import torch
-
-    if value and torch.cuda.is_available():
-        refuse(
-            f"{ctx['cls']}.use_cpu",
-            value,
-            "lorarl trains on CUDA when there is one: run with CUDA_VISIBLE_DEVICES= to train on the CPU",
-        )
-    return {}
+    return {"model.device": "cpu"} if value else {}
 
 
 def _clip_high(value: Any, ctx: dict) -> dict:
@@ -284,13 +344,36 @@ def _center(value: Any, ctx: dict) -> dict:
 
 
 def _completion_only(value: Any, ctx: dict) -> dict:
-    if value is False:
+    if value is False and ctx.get("sft_rows") != "text":  # text rows train every token, whatever the value (TRL)
         refuse(
             f"{ctx['cls']}.completion_only_loss",
             value,
-            "lorarl's SFT loss is on completion tokens only (the prompt is never trained on)",
+            "lorarl's SFT loss is on completion tokens only (the prompt is never trained on; text rows: every token)",
         )
     return {}
+
+
+def _text_field(value: str, ctx: dict) -> dict:
+    return {"data.columns.text": value} if ctx.get("sft_rows") == "text" and value != "text" else {}
+
+
+def _sft_length(value: Any, ctx: dict) -> dict:
+    if value is None:  # TRL: no truncation (packing refuses None too); lorarl's rows and plan need a bound
+        refuse(
+            f"{ctx['cls']}.max_length",
+            value,
+            "lorarl needs a length (the longest row it trains, the packed rows' length, what the memory plan "
+            "counts): set one",
+        )
+    return {"sft.max_length": value}
+
+
+def _packing_strategy(value: str, ctx: dict) -> dict:
+    from lorarl.data.packing import STRATEGIES
+
+    if value not in STRATEGIES:
+        refuse(f"{ctx['cls']}.packing_strategy", value, f"TRL's packing strategies are {', '.join(STRATEGIES)}")
+    return {"sft.packing_strategy": value}
 
 
 def _train_steps(value: int, ctx: dict) -> dict:
@@ -364,21 +447,28 @@ TRAINING_ARGUMENTS: dict[str, Map | Note | Refuse] = {
     "save_only_model": Note("lorarl's checkpoints always hold what a resume needs"),
     "restore_callback_states_from_checkpoint": Note("lorarl takes no callbacks"),
     "use_cpu": Map(
-        "(device)",
-        "True on a CUDA machine is refused: lorarl trains on CUDA when there is one (CUDA_VISIBLE_DEVICES= for the CPU)",
+        "model.device",
+        "True -> cpu: the CPU even beside a GPU, as transformers; False -> auto (CUDA when there is a GPU)",
         _use_cpu,
     ),
     "seed": Map("train.seed"),
     "data_seed": Refuse("lorarl's data order follows seed (train.seed)"),
     "bf16": Map(
         "model.dtype",
-        "bf16 -> bfloat16, fp16 -> float16, neither -> float32 (the base is NF4 on CUDA, model.quantization auto)",
+        "on the run's device, as TRL: bf16 -> bfloat16 (float16 on a GPU without native bf16, with a notice), "
+        "fp16 -> float16 on CUDA and float32 on the CPU (accelerate autocasts fp16 on GPUs only; a notice), neither "
+        "-> float32 (the base is NF4 on CUDA, model.quantization auto)",
         _dtype,
     ),
     "fp16": Map("model.dtype", "read with bf16", lambda v, c: {}),
     "bf16_full_eval": Note("evaluation runs in model.dtype"),
     "fp16_full_eval": Note("evaluation runs in model.dtype"),
-    "tf32": Note(KERNEL),
+    "tf32": Map(
+        "(torch's TF32 switch)",
+        "transformers sets torch's TF32 matmul switch for the process when the config is built (True needs an "
+        "Ampere or newer GPU, as TRL); lorarl's float32 matmuls follow it",
+        lambda v, c: {},
+    ),
     "local_rank": Note(NO_EFFECT),
     "ddp_backend": Note(NO_EFFECT),
     "debug": Note(LOG_DETAIL),
@@ -532,14 +622,17 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     ),
     "epsilon_high": Map("grpo.clip_eps_high", "None -> epsilon, as TRL", _clip_high),
     "delta": Refuse("two-sided clipping (delta) is not implemented"),
-    "sapo_temperature_neg": Note("read by loss_type sapo only, which lorarl refuses"),
-    "sapo_temperature_pos": Note("read by loss_type sapo only, which lorarl refuses"),
-    "vespo_k_pos": Note("read by loss_type vespo only, which lorarl refuses"),
-    "vespo_lambda_pos": Note("read by loss_type vespo only, which lorarl refuses"),
-    "vespo_k_neg": Note("read by loss_type vespo only, which lorarl refuses"),
-    "vespo_lambda_neg": Note("read by loss_type vespo only, which lorarl refuses"),
+    "sapo_temperature_neg": Map("grpo.sapo_temperature_neg", "read by loss_type sapo (grpo.policy_loss sapo)"),
+    "sapo_temperature_pos": Map("grpo.sapo_temperature_pos", "read by loss_type sapo (grpo.policy_loss sapo)"),
+    "vespo_k_pos": Map("grpo.vespo_k_pos", "read by loss_type vespo (grpo.policy_loss vespo)"),
+    "vespo_lambda_pos": Map("grpo.vespo_lambda_pos", "read by loss_type vespo"),
+    "vespo_k_neg": Map("grpo.vespo_k_neg", "read by loss_type vespo"),
+    "vespo_lambda_neg": Map("grpo.vespo_lambda_neg", "read by loss_type vespo"),
     "importance_sampling_level": Map(
-        "grpo.importance_sampling_level", "token or sequence (GSPO; lorarl needs loss_type grpo with it)", _is_level
+        "grpo.importance_sampling_level",
+        "token or sequence (GSPO); sequence goes with loss_type grpo, luspo or sapo (refused at load with dapo, "
+        "dr_grpo, bnpo and cispo, where TRL warns, and with vespo)",
+        _is_level,
     ),
     "reward_weights": Map("reward.functions[i].weight", "one weight per reward function, as TRL", lambda v, c: {}),
     "multi_objective_aggregation": Refuse(
@@ -547,8 +640,11 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
     ),
     "scale_rewards": Map("grpo.std_scaling", "group / batch / none (True = group, False = none)", _scale_rewards),
     "loss_type": Map(
-        "grpo.loss_reduction",
-        "grpo -> seq_mean_token_mean, dapo -> token_mean, dr_grpo -> seq_sum_norm; others refused",
+        "grpo.policy_loss + grpo.loss_reduction",
+        "grpo -> clip + seq_mean_token_mean, dapo -> clip + token_mean, dr_grpo -> clip + seq_sum_norm, bnpo -> clip + "
+        "micro_batch_token_mean, luspo -> clip + seq_mean_token_sum, cispo -> cispo + token_mean (grpo.cispo_eps_max = "
+        "epsilon_high, or epsilon when None, as TRL reads it: set epsilon_high=5.0 as ScaleRL does), sapo -> sapo + "
+        "seq_mean_token_mean, vespo -> vespo + token_mean",
         _grpo_loss,
     ),
     "mask_truncated_completions": Map("grpo.mask_truncated"),
@@ -598,17 +694,27 @@ DPO_OWN: dict[str, Map | Note | Refuse] = {
     "precompute_ref_log_probs": Map("dpo.precompute_ref_log_probs"),
     "loss_type": Map(
         "dpo.loss_type",
-        "sigmoid, hinge, ipo, sft, or a list of them with loss_weights (TRL 1.x); others refused",
+        "every TRL 1.16 type by its name, or a list of them with loss_weights (TRL 1.x); aot / aot_unpaired sort the "
+        "pairs of each micro-batch (per_device_train_batch_size), as TRL",
         _dpo_losses,
     ),
     "loss_weights": Map("dpo.loss_weights"),
-    "ld_alpha": Refuse("LD-DPO's length weighting is not implemented"),
-    "f_divergence_type": Refuse("lorarl's DPO uses the reverse KL (TRL's default)"),
-    "f_alpha_divergence_coef": Note("read by f_divergence_type alpha_divergence only, which lorarl refuses"),
-    "label_smoothing": Map("dpo.label_smoothing"),
+    "ld_alpha": Map("dpo.ld_alpha", "LD-DPO: policy and reference sums alike; sft's NLL reads the plain log-probs"),
+    "f_divergence_type": Map(
+        "dpo.f_divergence_type", "refused at load with the loss types TRL refuses (nca_pair, bco_pair, sppo_hard, ...)"
+    ),
+    "f_alpha_divergence_coef": Map("dpo.f_alpha_divergence_coef", "TRL's alpha form, (u^(alpha-1) - 1) / (alpha - 1)"),
+    "label_smoothing": Map(
+        "dpo.label_smoothing",
+        "read by robust, exo_pair, aot, aot_unpaired as TRL; lorarl's sigmoid reads it too (conservative DPO, TRL "
+        "0.x), TRL 1.16's sigmoid does not",
+    ),
     "beta": Map("dpo.beta", "same convention: DPO's beta (IPO's tau)"),
-    "use_weighting": Refuse("WPO's weighting is not implemented"),
-    "discopop_tau": Note("read by loss_type discopop only, which lorarl refuses"),
+    "use_weighting": Map(
+        "dpo.use_weighting",
+        "WPO, from the policy's own forward; refused at load with aot, aot_unpaired (as TRL) and sft",
+    ),
+    "discopop_tau": Map("dpo.discopop_tau"),
     "sync_ref_model": Map(
         "(refused when True)",
         "TR-DPO's reference sync: lorarl's DPO reference is the base with adapters off, fixed",
@@ -619,15 +725,32 @@ DPO_OWN: dict[str, Map | Note | Refuse] = {
 }
 
 SFT_OWN: dict[str, Map | Note | Refuse] = {
-    "dataset_text_field": Note("lorarl's SFT rows are prompt + completion or messages; a text-only dataset is refused"),
+    "dataset_text_field": Map(
+        "data.columns.text",
+        "the column of a language-modeling dataset (no prompt / messages column): every token trained, EOS appended",
+        _text_field,
+    ),
     "dataset_kwargs": Refuse("lorarl prepares the dataset itself"),
-    "max_length": Map("sft.max_length", TRUNC),
+    "max_length": Map(
+        "sft.max_length",
+        "lorarl never truncates: a longer row is a bad row (data.on_bad_row), unless packing_strategy bfd_split or "
+        "wrapped splits it; with packing, the packed rows' length; None is refused",
+        _sft_length,
+    ),
     "shuffle_dataset": Note("lorarl's SFT order is its own (seeded by train.seed)"),
-    "packing": Refuse("packing is not implemented (each example is one row)"),
-    "packing_strategy": Note("read by packing only, which lorarl refuses"),
-    "eval_packing": Note("read by packing only, which lorarl refuses"),
+    "packing": Map(
+        "sft.packing",
+        "rows packed into max_length-token rows (TRL's packer), each example attending only to itself (bfd); "
+        "per_device_train_batch_size counts packed rows, as TRL",
+    ),
+    "packing_strategy": Map(
+        "sft.packing_strategy", "bfd, bfd_split, wrapped (wrapped attends across examples, as TRL's)", _packing_strategy
+    ),
+    "eval_packing": Note("lorarl's SFT evaluation decodes held-out prompts: nothing to pack"),
     "completion_only_loss": Map(
-        "(always)", "None / True: the completion only (lorarl always); False is refused", _completion_only
+        "(always)",
+        "None / True: the completion only (lorarl always); False is refused, except on text rows (every token)",
+        _completion_only,
     ),
     "assistant_only_loss": Note(
         "messages rows train the LAST assistant message only (TRL trains every token unless assistant_only_loss)"
@@ -763,12 +886,13 @@ def default_config(cls: type, output_dir: str) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _reference(cls: type, bf16: bool, fp16: bool) -> Any:
-    """The default config compared against (read only; precision flags as the config's: transformers refuses
-    bf16 where there is no bf16 GPU)."""
+def _reference(cls: type, bf16: bool, fp16: bool, use_cpu: bool) -> Any:
+    """The default config compared against (read only). Device and precision flags are the config's: transformers
+    refuses bf16 where there is no bf16 GPU unless ``use_cpu``, and ``use_cpu`` changes other fields' values
+    (``dataloader_pin_memory``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return cls(output_dir="trainer_output", bf16=bf16, fp16=fp16)
+        return cls(output_dir="trainer_output", bf16=bf16, fp16=fp16, use_cpu=use_cpu)
 
 
 def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
@@ -777,10 +901,10 @@ def translate(args: Any, ctx: dict) -> tuple[dict, list[str]]:
     cls_name = type(args).__name__
     if cls_name not in TABLE:
         raise LorarlError(f"args: a {cls_name}; lorarl.trl takes TRL's {', '.join(TABLE)}")
-    ref = _reference(type(args), bool(args.bf16), bool(args.fp16))
-    ctx = {**ctx, "args": args, "cls": cls_name}
+    ref = _reference(type(args), bool(args.bf16), bool(args.fp16), bool(args.use_cpu))
     keys: dict = {}
     notices: list[str] = []
+    ctx = {**ctx, "args": args, "cls": cls_name, "notices": notices}  # a Map's converter may add a notice
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         check_finite(f"{cls_name}.{f.name}", value)

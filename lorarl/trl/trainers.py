@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.errors import LorarlError
+from lorarl.runfiles import refuse_links, write_atomic
 from lorarl.trl.fields import check_finite, default_config, refuse, translate
 
 log = logging.getLogger("lorarl.trl")
@@ -235,9 +236,13 @@ class _Trainer:
         a = self.args
         return a.per_device_train_batch_size * a.gradient_accumulation_steps
 
+    def _units(self) -> int | None:
+        """What an epoch passes over (TRL's train dataset rows, as prepared), None when the dataset has no length."""
+        return _rows(self.train_dataset)
+
     def _steps(self) -> tuple[int, int]:
         """``(the run's optimizer steps, steps per epoch)`` as TRL counts them on one device."""
-        n = _rows(self.train_dataset)
+        n = self._units()
         per_step = self.rows_per_step()
         per_epoch = math.ceil(n / per_step) if n else 1
         check_finite(f"{self.config_name}.num_train_epochs", self.args.num_train_epochs)  # read before translate
@@ -251,7 +256,7 @@ class _Trainer:
 
     def _recipe(self, extra: dict) -> dict:
         steps, per_epoch = self._steps()
-        ctx = {"steps": steps, "steps_per_epoch": per_epoch, "algo": self.algo, **extra}
+        ctx = {"steps": steps, "steps_per_epoch": per_epoch, "algo": self.algo, **self._context(), **extra}
         keys, self._notices = translate(self.args, ctx)
         recipe = nest(keys)
         recipe["algo"] = self.algo
@@ -262,6 +267,10 @@ class _Trainer:
         if n_eval:
             recipe.setdefault("eval", {})["n"] = n_eval
         return recipe
+
+    def _context(self) -> dict:
+        """What the field table reads beside the config (the dataset's kind)."""
+        return {}
 
     def _train_kwargs(self) -> dict:
         return {"train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
@@ -321,12 +330,12 @@ class _Trainer:
         src = run.path / self.adapter
         if not src.is_dir():
             raise LorarlError(f"{src}: no trained adapter (the run stopped before its end?)")
-        for p in src.iterdir():
-            dest = out / p.name
+        for p in src.iterdir():  # never through a link planted in output_dir (lorarl.runfiles)
+            dest = refuse_links(out / p.name)
             if p.is_dir():
                 shutil.copytree(p, dest, dirs_exist_ok=True)
             else:
-                shutil.copy2(p, dest)
+                write_atomic(dest, p.read_bytes())
 
 
 class GRPOTrainer(_Trainer):
@@ -509,7 +518,8 @@ class _SupervisedTrainer(_Trainer):
 
 class SFTTrainer(_SupervisedTrainer):
     """TRL's ``SFTTrainer`` (1.16's signature) on lorarl: prompt + completion or ``messages`` rows, the loss on the
-    completion (for ``messages``: the last assistant message)."""
+    completion (for ``messages``: the last assistant message); ``text`` rows (``dataset_text_field``), every token
+    trained as TRL's language modeling; ``packing`` with TRL's packer (``sft.packing``)."""
 
     config_name, algo, suffix = "SFTConfig", "sft", "SFT"
 
@@ -533,15 +543,19 @@ class SFTTrainer(_SupervisedTrainer):
         peft_config: Any = None,
         formatting_func: Any = None,
     ):
-        columns = getattr(train_dataset, "column_names", None)
-        if isinstance(columns, list) and "messages" not in columns and "prompt" not in columns:
+        self.rows_kind = sft_rows_kind(train_dataset, args.dataset_text_field if args is not None else "text")
+        if self.rows_kind == "text" and args is not None and args.assistant_only_loss:
             refuse(
-                "train_dataset",
-                f"columns {columns}",
-                "lorarl's SFT needs prompt + completion or messages rows (language modelling on plain text is not "
-                "supported)",
+                "SFTConfig.assistant_only_loss",
+                True,
+                "the dataset is not conversational (text rows, trained on every token), as TRL refuses it",
             )
-        if isinstance(columns, list) and "messages" in columns and not (args is not None and args.assistant_only_loss):
+        columns = getattr(train_dataset, "column_names", None)
+        if (
+            isinstance(columns, list)
+            and self.rows_kind == "messages"
+            and not (args is not None and args.assistant_only_loss)
+        ):
             log.warning(
                 "SFTTrainer: lorarl trains each messages row's LAST assistant message (TRL trains every token of the "
                 "conversation unless assistant_only_loss)"
@@ -563,6 +577,56 @@ class SFTTrainer(_SupervisedTrainer):
             compute_loss_func=compute_loss_func,
             formatting_func=formatting_func,
         )
+
+    def _context(self) -> dict:
+        return {"sft_rows": self.rows_kind}
+
+    def _units(self) -> int | None:
+        """Without packing the dataset's rows; with packing the packed rows lorarl's SFT (TRL's packer) makes of
+        them, as TRL's SFTTrainer counts its packed dataset (the rows are tokenized once more here, to count)."""
+        from lorarl.data.packing import STRATEGIES, packed_row_count
+
+        a = self.args
+        unusable = a.packing_strategy not in STRATEGIES or a.max_length is None  # refused by the field table next
+        if not a.packing or a.max_steps > 0 or unusable:
+            return super()._units()
+        if _rows(self.train_dataset) is None:  # no length: max_steps is needed, as without packing
+            return None
+        from lorarl.config import DataConfig
+        from lorarl.model import load_tokenizer
+        from lorarl.model.registry import resolve_model
+        from lorarl.model.tokens import end_of_turn_id
+
+        tok = load_tokenizer(resolve_model(self.model_name))
+        columns = {"text": a.dataset_text_field} if self.rows_kind == "text" and a.dataset_text_field != "text" else {}
+        return packed_row_count(
+            list(self.train_dataset),
+            DataConfig(columns=columns),
+            tok,
+            end_of_turn_id(None, tok),
+            a.max_length,
+            a.packing_strategy,
+        )
+
+
+def sft_rows_kind(dataset: Any, text_field: str = "text") -> str | None:
+    """The SFT format of ``dataset``'s columns, read as TRL reads them: ``prompt`` (prompt + completion), else
+    ``messages``, else ``text`` (its ``text_field`` column: language modeling); None when the columns are unknown.
+    Columns with none of them are refused (one line)."""
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(columns, list):
+        rows = dataset if isinstance(dataset, (list, tuple)) else None
+        columns = list(rows[0]) if rows and isinstance(rows[0], dict) else None
+    if columns is None:
+        return None
+    for kind, column in (("prompt", "prompt"), ("messages", "messages"), ("text", text_field)):
+        if column in columns:
+            return kind
+    refuse(
+        "train_dataset",
+        f"columns {columns}",
+        f"lorarl's SFT reads prompt + completion, messages, or a text column (dataset_text_field={text_field!r})",
+    )
 
 
 class RewardTrainer(_SupervisedTrainer):

@@ -12,7 +12,7 @@ KL controller measures KL per token, lorarl per sequence.
 from __future__ import annotations
 
 from lorarl.export.engines.common import NO_CLIP, Derived, HandOff, Mapping, here, kl_target_per_token, whole_number
-from lorarl.export.engines.shared_keys import shared_keys
+from lorarl.export.engines.shared_keys import grpo_policy_loss, shared_keys
 
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 TRAIN_MICRO = Derived("${TRAIN_MICRO}", "the largest divisor of (samples per optimizer step / GPUs) that is <= --micro")
@@ -182,11 +182,12 @@ def _grpo(h: HandOff, m: Mapping) -> None:
     m.key("--rollout.micro_batch_size", ROLLOUT_MICRO, "train.micro_batch_size")
     m.key("--train.max_epochs", g.num_iterations, "grpo.num_iterations")
     m.key("--actor.eps_clip_low_high", [g.clip_eps_low, g.clip_eps_high], "grpo.clip_eps_low / grpo.clip_eps_high")
-    if g.loss_reduction == "seq_sum_norm":
+    modes = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean"}
+    if g.loss_reduction not in modes:
         m.skip("grpo.loss_reduction", g.loss_reduction, "OpenRLHF has token-mean and seq-mean-token-mean only")
     else:
-        mode = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean"}[g.loss_reduction]
-        m.key("--actor.loss_agg_mode", mode, "grpo.loss_reduction")
+        m.key("--actor.loss_agg_mode", modes[g.loss_reduction], "grpo.loss_reduction")
+    grpo_policy_loss(g, m, "OpenRLHF")
     _kl(h, m, g.kl.coef, "grpo.kl.coef")
     if g.kl.coef > 0:
         m.key("--algo.kl.use_loss", True, "grpo.kl.coef", "KL as a loss term (GRPO)")

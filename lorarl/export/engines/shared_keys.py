@@ -47,12 +47,18 @@ def shared_keys(h: HandOff, m: Mapping, train_file: str, test_file: str) -> None
         "reward.py scores a raising reward as missing (like lorarl) but never stops the run",
     )
     m.skip(
+        "reward.max_failed_steps",
+        r.reward.max_failed_steps,
+        "the engines never stop a run for a reward that fails on every row",
+    )
+    m.skip(
         "model.quantization",
         r.model.quantization,
         "the engines train on bf16 weights; an adapter trained on an NF4 base behaves somewhat differently on the "
         "full-precision one (measure it: python -m lorarl.export.gap)",
     )
     m.skip("model.dtype", r.model.dtype, "the engines compute in bf16 (fp32 master weights)")
+    m.skip("model.device", r.model.device, "the engines run on the cluster's GPUs")
     for key in ("model.logprob_chunk_size", "model.logprob_chunk_tokens"):
         m.skip(key, _get(r, key), "lorarl's memory layout; the engines have their own")
     m.skip("generation.engine", r.generation.engine, "the engines sample with vLLM (same distribution: T, top_p)")
@@ -120,3 +126,23 @@ def _get(obj: object, dotted: str) -> object:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+# grpo.policy_loss's own settings, by the policy loss that reads them
+POLICY_LOSS_SETTINGS = {
+    "cispo": ("cispo_eps_max",),
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
+
+
+def grpo_policy_loss(g, m: Mapping, engine: str) -> None:
+    """``grpo.policy_loss`` and its settings: the hand-offs run the engine's PPO clip; CISPO / SAPO / VESPO are not
+    carried over (the engines that have one name its parameters their own way)."""
+    if g.policy_loss == "clip":
+        m.skip("grpo.policy_loss", "clip", f"PPO's clip: {engine}'s default policy loss, as lorarl's")
+    else:
+        m.skip("grpo.policy_loss", g.policy_loss, f"not mapped: the hand-off runs {engine}'s PPO clip")
+    for loss, keys in POLICY_LOSS_SETTINGS.items():
+        for key in keys:
+            m.skip(f"grpo.{key}", getattr(g, key), f"read by grpo.policy_loss {loss} only (not mapped)")

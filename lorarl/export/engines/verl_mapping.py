@@ -19,12 +19,13 @@ from lorarl.export.engines.common import (
     target_modules,
     whole_number,
 )
-from lorarl.export.engines.shared_keys import shared_keys
+from lorarl.export.engines.shared_keys import grpo_policy_loss, shared_keys
 
 LOSS_AGG = {
     "token_mean": "token-mean",
     "seq_mean_token_mean": "seq-mean-token-mean",
     "seq_sum_norm": "seq-mean-token-sum-norm",
+    "seq_mean_token_sum": "seq-mean-token-sum",
 }
 A = "actor_rollout_ref"
 MICRO = Derived("${MICRO}", "the largest divisor of (samples per optimizer step / GPUs) that is <= --micro")
@@ -171,7 +172,13 @@ def _grpo(h: HandOff, m: Mapping) -> None:
     m.key(act + ".ppo_epochs", g.num_iterations, "grpo.num_iterations")
     m.key(act + ".clip_ratio_low", g.clip_eps_low, "grpo.clip_eps_low")
     m.key(act + ".clip_ratio_high", g.clip_eps_high, "grpo.clip_eps_high")
-    m.key(act + ".loss_agg_mode", LOSS_AGG[g.loss_reduction], "grpo.loss_reduction")
+    if g.loss_reduction in LOSS_AGG:
+        m.key(act + ".loss_agg_mode", LOSS_AGG[g.loss_reduction], "grpo.loss_reduction")
+    else:  # micro_batch_token_mean (TRL's bnpo)
+        m.skip(
+            "grpo.loss_reduction", g.loss_reduction, "verl has no per-micro-batch token mean (token-mean is closest)"
+        )
+    grpo_policy_loss(g, m, "verl")
     if g.loss_reduction == "seq_sum_norm":
         m.key(act + ".loss_scale_factor", gen.max_new_tokens, "grpo.loss_reduction", "Dr. GRPO's constant")
     m.key(act + ".use_kl_loss", g.kl.coef > 0, "grpo.kl.coef", "the KL term in the loss; reference = base")
