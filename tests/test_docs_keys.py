@@ -28,7 +28,7 @@ from lorarl.config.schema import Recipe
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SECTIONS = [f.name for f in dataclasses.fields(Recipe) if f.name != "source_path"]
-ALGOS = ("grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo")
+ALGOS = ("grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "kto")
 FILE_SUFFIXES = {"py", "json", "jsonl", "md", "yaml", "yml", "png", "txt", "csv", "parquet"}
 
 # dotted names in the docs that are other tools' configuration keys, not lorarl's

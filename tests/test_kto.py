@@ -343,3 +343,39 @@ def test_kto_retrain_from_one_vote_of_each_kind(tmp_path):
     assert len(lines) == 3 and json.loads(lines[0])["chosen"] and json.loads(lines[-1])["label"] is False
     _, overrides = retrain_overrides("kto", snap, "base", runs_dir=runs, recipe_dirs=recipes)
     assert "kto.batch_size=4" in overrides and "data.eval_source=null" in overrides
+
+
+def test_health_warns_when_the_preferred_answers_lose_likelihood():
+    """health.chosen_falling_steps: rewards/chosen < 0 three steps in a row warns once; a step at or above 0 resets the
+    count; the count survives a resume (state_dict)."""
+    from lorarl.health import HealthMonitor
+
+    monitor = HealthMonitor(learning_after=0, chosen_falling_steps=3)
+    said = []
+    for step, chosen in enumerate([-0.1, -0.2, 0.1, -0.1, -0.1], start=1):
+        said.append(monitor.check(step, {"rewards/chosen": chosen, "kl": 0.0}, []))
+    assert said == [[], [], [], [], []] and monitor.falling_run == 2
+    resumed = HealthMonitor(learning_after=0, chosen_falling_steps=3)
+    resumed.load_state_dict(monitor.state_dict())
+    row = {"rewards/chosen": -0.3}
+    (line,) = resumed.check(6, row, [])
+    assert line.startswith("chosen falling: rewards/chosen") and "for 3 steps in a row (-0.300 now)" in line
+    assert row["health/warning"] == line and resumed.check(7, {"rewards/chosen": -0.3}, []) == []  # said once
+    off = HealthMonitor(learning_after=0, chosen_falling_steps=0)
+    assert all(off.check(s, {"rewards/chosen": -1.0}, []) == [] for s in range(1, 9))
+
+
+def test_the_train_tab_offers_the_kto_recipe_with_its_fields_and_plan():
+    """The workbench's Train tab (lorarl.app.recipes): the shipped KTO recipe listed, its header, its common fields
+    (no group size: not GRPO), a refused value named at its field, and the planner's line for a KTO step."""
+    from lorarl.app.recipes import fields_for, list_recipes, plan_line, recipe_header, validate
+
+    path = REPO / "recipes" / "kto_arithmetic.yaml"
+    assert any(c.path == str(path) for c in list_recipes([REPO / "recipes"], REPO / "no-runs-here"))
+    assert recipe_header(path).startswith("KTO: trains the `policy` LoRA adapter")
+    keys = [f.key for f in fields_for(path)]
+    assert keys[:3] == ["model.name", "train.steps", "train.learning_rate"] and "grpo.group_size" not in keys
+    _, errors = validate(path, {"train.steps": "two"})
+    assert "train.steps must be int" in errors["train.steps"]
+    line = plan_line(path)
+    assert line.startswith("plan:") and "no estimate" not in line

@@ -5,8 +5,9 @@ Train: the quickstart recipe (recipes/grpo_arithmetic.yaml) with a wrong field v
 next to the field, nothing launches), then a 2-step run launched on the tiny model (the model dropdown offers the
 chat's base folder). Watch: the run's state and curves as it trains; Stop during step 1 (the run saves a checkpoint
 of step 1 and exits), Resume (it trains step 2 and finishes), a second launch refused while one trains. Chat: the
-run's final adapter appears in the panes; it answers beside the base; two votes. Retrain: DPO on the two votes from
-the run's adapter, watched to its end. Export: a merged export of the run, and the fidelity gate's figures.
+run's final adapter appears in the panes; it answers beside the base; two votes, and a 👍 and a 👎 on one answer each.
+Retrain: DPO on the two votes from the run's adapter, watched to its end; KTO on the votes and the two single-answer
+votes (six rows), watched to its end. Export: a merged export of the run, and the fidelity gate's figures.
 
 Every step is real: ``lorarl train`` subprocesses, the run folder's files, the exported folder. Set
 ``LORARL_WORKBENCH_SCREENSHOTS=DIR`` to save a screenshot of each tab there (scripts/workbench_screenshots.py).
@@ -241,6 +242,13 @@ def _chat_and_vote(page, runs: Path) -> None:
         _wait_text(page, "#status", "done:")
         page.click(vote)
         _wait_text(page, "#status", "saved vote")
+    # 👍 / 👎 under one pane each: its answer alone is a KTO row (prompt, completion, label)
+    for button, what in (("#up-1", "pane 2 👍"), ("#down-0", "pane 1 👎")):
+        page.click(button)
+        _wait_text(page, "#status", what)
+    rated = [json.loads(line) for line in (runs / "preferences_unpaired.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["label"]) for r in rated] == [("quick/policy", True), ("base", False)]
+    assert rated[0]["prompt"][-1] == {"role": "user", "content": "What is 7 + 5?"}
     pairs = [json.loads(line) for line in (runs / "preferences.jsonl").read_text().splitlines()]
     assert len(pairs) == 2
     assert {(p["chosen_model"], p["rejected_model"]) for p in pairs} == {
@@ -249,7 +257,8 @@ def _chat_and_vote(page, runs: Path) -> None:
     }
     _tab(page, "Watch")
     _tab(page, "Chat")  # the votes line refreshes when the tab is shown
-    assert "2 usable preference pair(s)" in _wait_text(page, "#wb-votes", "usable")
+    votes = _wait_text(page, "#wb-votes", "usable")
+    assert "2 usable preference pair(s)" in votes and "2 single-answer vote(s) (1 👍, 1 👎: KTO only)" in votes
     _shot(page, "chat")
 
 
@@ -267,6 +276,22 @@ def _retrain(page, runs: Path) -> None:
     snapshot = runs / name / "votes.jsonl"
     assert str(snapshot.resolve()) in recipe and "quick/policy" in recipe
     assert snapshot.read_text() == (runs / "preferences.jsonl").read_text()
+    assert (runs / name / "policy" / "adapter_config.json").is_file()
+    # KTO on the same votes beside DPO: the pairs unpaired (4 rows) and the two single-answer votes, one step of 6
+    page.wait_for_function("() => !document.querySelector('#wb-state').innerText.includes('exiting')")  # one run
+    _tab(page, "Chat")  # the launch moved the page to Watch; the starting checkpoint stays picked
+    assert "quick · final" in page.input_value("#wb-start input")
+    page.click("#wb-kto")
+    status = _wait_text(page, "#wb-retrain-status", "kto on the votes")
+    name = re.search(r"launched (\S+):", status).group(1)
+    assert name.startswith("kto-votes-")
+    _wait_text(page, "#wb-state", name)
+    _wait_text(page, "#wb-state", "finished", timeout=LONG)
+    snapshot = runs / name / "votes.jsonl"
+    both = (runs / "preferences.jsonl").read_text() + (runs / "preferences_unpaired.jsonl").read_text()
+    assert snapshot.read_text() == both and "quick/policy" in (runs / name / "recipe.yaml").read_text()
+    (row,) = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and "kl" in row and "rewards/chosen" in row and "rewards/rejected" in row
     assert (runs / name / "policy" / "adapter_config.json").is_file()
 
 

@@ -37,10 +37,8 @@ unpaired into two rows each, as TRL does; unusable rows are left out and counted
 from __future__ import annotations
 
 import functools
-import json
 import math
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -53,14 +51,15 @@ from lorarl.algos.base import (
     tail_mean,
     trained_role,
 )
-from lorarl.algos.dpo import POLICY, setup_roles
+from lorarl.algos.dpo import setup_roles
 from lorarl.algos.kto_scoring import kto_stats, role_rows_logps, rows_logps, with_margin
+from lorarl.algos.preference_eval import POLICY, evaluate_against_reference, report_split, save_policy
 from lorarl.config import Recipe
 from lorarl.core.kto_losses import NEEDS_KL, kl_estimate, mismatched_rows, unpaired_loss, weight_ranges
 from lorarl.core.schedules import advance
 from lorarl.data.unpaired import UnpairedSet, load_unpaired, unpaired_summary
 from lorarl.errors import DataError
-from lorarl.model import REFERENCE, SharedBase
+from lorarl.model import SharedBase
 from lorarl.phases import phase
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
 
@@ -94,9 +93,7 @@ def load_split(recipe: Recipe, shared: SharedBase, split: str, limit: int | None
         limit=limit,
     )
     if rows is not None:
-        print(f"data: {unpaired_summary(rows)}", file=sys.stderr)
-        for _, why in rows.skipped[:3]:
-            print(f"data:   {why}", file=sys.stderr)
+        report_split(unpaired_summary(rows), rows.skipped)
     return rows
 
 
@@ -270,10 +267,8 @@ class KTO:
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy adapter at ``run_dir/policy``, the held-out results in ``eval.json``; the summary's fields."""
-        self.shared.save_adapter(POLICY, run_dir / POLICY)
+        save_policy(self.shared, run_dir, self.eval_result)
         ev = self.eval_result or {}
-        if ev:
-            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2), encoding="utf-8")
         tr = self.train_rows
         return {
             "policy": str(run_dir / POLICY),
@@ -366,29 +361,18 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     policy against the recipe's reference: the loss and TRL's metrics on the held-out rows (``kto/...``) and, with
     ``kto.task_source``, the greedy task evaluation (:func:`lorarl.evaluate.evaluate`: ``accuracy``,
     ``reward_mean``, ...). For ``base`` (the starting point) every implicit reward is 0."""
-    from lorarl.evaluate import checkpoint_adapter, load_eval_adapter
-    from lorarl.evaluate import evaluate as evaluate_task
 
-    t0 = time.perf_counter()
-    shared = shared or SharedBase.load(recipe.model)
-    adapter = checkpoint_adapter(recipe, checkpoint)
-    if recipe.model.init_adapter and not shared.has_adapter(REFERENCE):
-        shared.add_adapter(REFERENCE, init_from=recipe.model.init_adapter, trainable=False)
-    rows = load_split(recipe, shared, "eval", limit=n or recipe.eval.n)
-    if rows is None and not recipe.kto.task_source:
-        raise DataError("nothing to evaluate: set data.eval_source (held-out rows) and / or kto.task_source")
-    out: dict = {"checkpoint": "base" if adapter is None else str(adapter)}
-    if rows is not None:
-        role = load_eval_adapter(shared, adapter)
+    def held_out(shared: SharedBase, reference: str | None, policy_role) -> dict | None:
+        rows = load_split(recipe, shared, "eval", limit=n or recipe.eval.n)
+        if rows is None:
+            return None
+        role = policy_role()
         bs, max_tokens = recipe.eval.batch_size, recipe.kto.max_tokens_per_forward
-        ref = held_out_reference(shared, REFERENCE, rows, bs, max_tokens)
+        ref = held_out_reference(shared, reference, rows, bs, max_tokens)
         needs_kl = recipe.kto.loss_type in NEEDS_KL
         metrics = held_out_metrics(shared, rows, role, ref, loss_of(recipe), needs_kl, bs, max_tokens)
-        out.update({f"kto/{k}": v for k, v in metrics.items()})
-    if recipe.kto.task_source:
-        task = evaluate_task(recipe, checkpoint, n=n, shared=shared)
-        out.update({k: v for k, v in task.items() if k not in ("checkpoint", "seconds")})
-    out["seconds"] = round(time.perf_counter() - t0, 1)
-    if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
-        (adapter.parent / "eval.json").write_text(json.dumps(out, indent=2), encoding="utf-8")  # a run's final policy
-    return out
+        return {f"kto/{k}": v for k, v in metrics.items()}
+
+    return evaluate_against_reference(
+        recipe, checkpoint, n, shared, needs_reference=True, held_out=held_out, what="rows"
+    )

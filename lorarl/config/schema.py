@@ -323,9 +323,13 @@ class HealthConfig:
     no_signal_fraction: float = 0.9  # "most groups": this fraction of zero-spread groups
     alarm_window: int = 3  # held-out evaluations compared by the reward-hacking alarm (needs eval.every)
     length_drift: float = 3.0  # warn when mean completion length moves by this factor from the first steps
+    chosen_falling_steps: int = 5  # DPO / KTO: steps in a row with rewards/chosen < 0 (the preferred / desirable
+    #   answers less likely than under the reference) before a warning
 
     def validate(self, where: str) -> None:
-        for name in ("parity_every", "parity_rows", "learning_after", "no_signal_steps", "alarm_window"):
+        for name in (
+            "parity_every", "parity_rows", "learning_after", "no_signal_steps", "alarm_window", "chosen_falling_steps"
+        ):  # fmt: skip
             check(getattr(self, name) >= 0, where, f"health.{name}", "must be >= 0 (0: off)")
         check(
             self.parity_tolerance is None or self.parity_tolerance > 0, where, "health.parity_tolerance", "must be > 0"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorarl.config import DataConfig
-from lorarl.data.pairs import SKIP_KINDS, count_ties_beside, read_pair_row
+from lorarl.data.pairs import SKIP_KINDS, count_ties_beside, read_pair_row, usable_rows
 from lorarl.data.preferences import check_messages, check_text, encode_response, read_rows, response_chars
 from lorarl.data.prompts import encode_prompt, prompt_text, too_long_by_chars
 from lorarl.data.sources import map_columns
@@ -217,19 +217,12 @@ def load_unpaired(
         return None
     out = UnpairedSet(rows=[], source=where, ties_beside=count_ties_beside(source, recipe_path))
     counts: Counter = Counter()
-    for i, row in enumerate(rows):
-        if limit is not None and len(out) >= limit:
-            break
-        try:
-            got = read_unpaired_row(row, i, data, tokenizer, eos_ids, end_id, max_length)
-        except DataError as e:
-            if data.on_bad_row == "fail":
-                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
-            got = ("bad", str(e))
-        if isinstance(got, tuple):
-            counts[got[0]] += 1
-            out.skipped.append((i, got[1]))
-            continue
+
+    def read(row, i):
+        return read_unpaired_row(row, i, data, tokenizer, eos_ids, end_id, max_length)
+
+    full = (lambda: len(out) >= limit) if limit is not None else (lambda: False)
+    for got in usable_rows(rows, read, where, data.on_bad_row, counts, out.skipped, full):
         for kept, ids in got:
             out.add(kept, ids)
         out.from_pairs += 2 if len(got) == 2 else 0

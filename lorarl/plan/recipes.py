@@ -199,29 +199,21 @@ def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> Plan
     (``dpo.task_source``) decodes ``eval.max_new_tokens`` (else ``generation.max_new_tokens``). A KTO recipe the same
     from its ``kto`` section, counting rows (one completion each) instead of pairs; its reference pass always runs."""
     if recipe.algo == "kto":
-        k = recipe.kto if recipe.kto is not None else KTOConfig()
-        return _fixed_length_settings(
-            recipe,
-            device_type,
-            quant,
-            dtype_bytes,
-            section=k,
-            evaluates=k.task_source is not None and recipe.eval.every > 0,
-            reference_adapter=bool(recipe.model.init_adapter),
-            max_tokens_per_forward=k.max_tokens_per_forward,
-            dpo_reference=True,
-        )
-    d = recipe.dpo if recipe.dpo is not None else DPOConfig()
+        section = recipe.kto if recipe.kto is not None else KTOConfig()
+        reference = True
+    else:
+        section = recipe.dpo if recipe.dpo is not None else DPOConfig()
+        reference = section.needs_reference
     return _fixed_length_settings(
         recipe,
         device_type,
         quant,
         dtype_bytes,
-        section=d,
-        evaluates=d.task_source is not None and recipe.eval.every > 0,
+        section=section,
+        evaluates=section.task_source is not None and recipe.eval.every > 0,
         reference_adapter=bool(recipe.model.init_adapter),
-        max_tokens_per_forward=d.max_tokens_per_forward,
-        dpo_reference=d.needs_reference,
+        max_tokens_per_forward=section.max_tokens_per_forward,
+        dpo_reference=reference,
     )
 
 
