@@ -72,19 +72,25 @@ def load_eval_adapter(shared: SharedBase, adapter: Path | None) -> str:
     return EVAL_ROLE
 
 
+TASK_SOURCE_ALGOS = ("dpo", "kto")  # algorithms whose data are not prompts: their held-out prompts are task_source
+
+
 def prompt_data(recipe: Recipe) -> DataConfig:
-    """The data section a greedy evaluation reads its held-out prompts from: the recipe's own, or for DPO (whose
-    ``data`` holds preference pairs) the same section with ``dpo.task_source`` as its source, read whole as the
-    held-out set (``arithmetic`` generates the task's held-out split). Raises LorarlError for a DPO recipe without
-    ``dpo.task_source``."""
-    if recipe.algo != "dpo":
+    """The data section a greedy evaluation reads its held-out prompts from: the recipe's own, or for DPO and KTO
+    (whose ``data`` holds preference pairs / labelled rows) the same section with ``dpo.task_source`` /
+    ``kto.task_source`` as its source, read whole as the held-out set (``arithmetic`` generates the task's held-out
+    split). Raises LorarlError for such a recipe without a ``task_source``."""
+    if recipe.algo not in TASK_SOURCE_ALGOS:
         return recipe.data
-    task = recipe.dpo.task_source if recipe.dpo is not None else None
+    section = getattr(recipe, recipe.algo)
+    task = section.task_source if section is not None else None
     if not task:
         raise LorarlError(
-            "a DPO recipe evaluates on held-out prompts only with dpo.task_source (e.g. arithmetic, or a prompt file)"
+            f"a {recipe.algo.upper()} recipe evaluates on held-out prompts only with {recipe.algo}.task_source "
+            "(e.g. arithmetic, or a prompt file)"
         )
-    columns = {k: v for k, v in recipe.data.columns.items() if k not in ("chosen", "rejected")}
+    mapped = ("chosen", "rejected", "completion", "label")
+    columns = {k: v for k, v in recipe.data.columns.items() if k not in mapped}
     return dataclasses.replace(recipe.data, source=task, eval_source=task, columns=columns)
 
 

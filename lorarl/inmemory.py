@@ -132,9 +132,10 @@ def registered_names(recipe: Any) -> list[tuple[str, str]]:
     """Every ``(key, python:NAME)`` a recipe holds: data sources, reward functions, agent tools and environment."""
     found = [("data.source", recipe.data.source), ("data.eval_source", recipe.data.eval_source)]
     found += [(f"reward.functions[{i}].name", s.name) for i, s in enumerate(recipe.reward.functions)]
-    dpo = getattr(recipe, "dpo", None)
-    if dpo is not None:
-        found.append(("dpo.task_source", dpo.task_source))
+    for algo in ("dpo", "kto"):  # their held-out task prompts
+        section = getattr(recipe, algo, None)
+        if section is not None:
+            found.append((f"{algo}.task_source", section.task_source))
     if recipe.agent is not None:
         found += [(f"agent.tools[{i}]", t) for i, t in enumerate(recipe.agent.tools)]
         found.append(("agent.environment", recipe.agent.environment))

@@ -49,7 +49,7 @@ def _write(tmp_path, text, name="r.yaml"):
         ("ppo:\n  epochs: 2\n", "section ppo", "does not apply to algo grpo"),
         ("algo: reward_model\ngeneration:\n  max_new_tokens: 4\n", "section generation", "does not apply"),
         ("grpo:\n  kl_coef: 0.1\n  kl:\n    coef: 0.2\n", "grpo.kl_coef and grpo.kl.coef", "keep only grpo.kl.coef"),
-        ("algo: kto\n", "algo", "must be one of"),
+        ("algo: orpo\n", "algo", "must be one of"),  # (kto was refused here before issue 41)
     ],
 )
 def test_bad_values_name_the_key_and_the_file(tmp_path, text, key, words):

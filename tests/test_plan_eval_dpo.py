@@ -162,3 +162,49 @@ def test_dpo_recipe_and_command(capsys):
     result = json.loads(out[-1])
     assert set(result["phases_gb"]) == {"reference", "training", "optimizer"}
     assert any("DPO: micro-batches count pairs" in line for line in out[:-1])
+
+
+# ---- KTO: DPO's phases over unpaired rows ---------------------------------------------------------------------------
+def test_kto_phases_by_hand():
+    """16 rows per step, micro-batches of 4 rows (R = 4, one completion each, not 2 x 4), T = 256, g = 4 rows per
+    forward: the training moment is DPO's on 4 rows; the no-grad phase scores the policy too (KTO's KL pass)."""
+    est = _dpo(algo="kto")
+    n = est["params"]["lora_policy"]
+    assert est["settings"]["rows"] == 16 and set(est["phases"]) == {"reference", "training", "optimizer"}
+    kept = {"lora_grads": 4 * n, "checkpoints": L * 4 * 256 * H * 2, "final_hidden": 4 * 256 * H * (2 * 2 + 4)}
+    assert est["breakdown"]["training"] == {**kept, "logits_chunk": 4 * 128 * V * (2 + 8)}
+    assert est["breakdown"]["reference"] == {"hidden_states": 2 * 4 * 256 * H * 2, "logits_chunk": 4 * 128 * V * 8}
+    assert _dpo(algo="kto")["phases"]["training"] < _dpo()["phases"]["training"]  # 4 rows, DPO's 4 pairs are 8
+
+
+def test_kto_no_grad_pass_runs_the_adapter():
+    """Groups of 8 rows x 256 tokens: with the LoRA (KTO's policy KL pass) one layer's forward is 2048 x 204800 bytes;
+    DPO's reference (adapters off) 2048 x 90112 + the dequantized projection."""
+    from lorarl.plan.dpo import dpo_reference_moments
+    from lorarl.plan.settings import plan_settings, step_sizes
+
+    shape = model_shape("llama-3.1-8b")
+    kw = dict(prompts_per_step=16, micro_batch_size=8, prompt_len=128, max_new_tokens=128, max_tokens_per_forward=2048)
+    kto, dpo = plan_settings(algo="kto", **kw), plan_settings(algo="dpo", **{**kw, "micro_batch_size": 4})
+    assert dpo_reference_moments(shape, kto, step_sizes(shape, kto))["layer"]["layer_forward"] == 2048 * 204800
+    assert dpo_reference_moments(shape, dpo, step_sizes(shape, dpo))["layer"]["layer_forward"] == 2048 * 90112 + DEQ
+    frozen = _dpo(algo="kto", reference_adapter=True)
+    assert frozen["breakdown"]["persistent"]["lora_reference_frozen"] == 4 * frozen["params"]["lora_policy"]
+
+
+def test_kto_recipe_and_command(capsys):
+    import json
+
+    from lorarl.cli import main
+    from lorarl.config import load_recipe
+    from lorarl.plan.recipes import recipe_settings
+
+    path = REPO / "recipes" / "kto_arithmetic.yaml"
+    s = recipe_settings(load_recipe(path))
+    # kto.batch_size 32 rows, micro-batch 16 rows, max_length 256 = 128 prompt + 128 completion, forwards of 2048
+    assert (s.algo, s.prompts_per_step, s.micro_batch_size, s.prompt_len, s.max_new_tokens) == ("kto", 32, 16, 128, 128)
+    assert s.rows == 32 and s.split_rows == 32 and s.dpo_reference and s.max_tokens_per_forward == 2048
+    assert main(["plan", str(path), "--model-config", "llama-3.1-8b"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert set(json.loads(out[-1])["phases_gb"]) == {"reference", "training", "optimizer"}
+    assert any("KTO: micro-batches count rows" in line for line in out[:-1])

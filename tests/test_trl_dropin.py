@@ -3,7 +3,7 @@
 * TRL's documented quick starts (examples/trl_quickstarts/*.py, TRL's code with only the import changed) run
   unchanged for one step on a tiny model and local copies of their datasets' fields; the trained adapter and TRL's
   metric names are checked.
-* Every refused field of the four configs fails with its one line; every noted field gives its notice; mapped fields
+* Every refused field of the five configs fails with its one line; every noted field gives its notice; mapped fields
   land in the recipe lorarl validates (hand-set values, conventions per docs/trl_dropin.md).
 * docs/trl_dropin.md's field table equals the code table.
 """
@@ -23,7 +23,7 @@ import trl
 from peft import LoraConfig
 
 from lorarl.errors import LorarlError
-from lorarl.trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
+from lorarl.trl import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, SFTTrainer
 from lorarl.trl.fields import (
     DOC_END,
     DOC_START,
@@ -66,6 +66,10 @@ DATASETS = {
     ]
     * 2,
     "sft": [{"source": "test", "messages": [USER, {"role": "assistant", "content": "\\boxed{2}"}]}] * 2,
+    "kto": [  # trl-lib/kto-mix-14k: unpaired conversational rows
+        {"prompt": [USER], "completion": [{"role": "assistant", "content": "\\boxed{2}"}], "label": True},
+        {"prompt": [USER], "completion": [{"role": "assistant", "content": "\\boxed{3}"}], "label": False},
+    ],
     "text": [{"text": "A quiet, patient film."}, {"text": "Loud, dumb and fun."}],  # stanfordnlp/imdb's column
 }
 # quick start -> (dataset, output_dir suffix, trained adapter folder, TRL metric names the run logs)
@@ -111,6 +115,12 @@ RUNS = {
         ],
     ),
     "sft": ("sft", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
+    "kto": (
+        "kto",
+        "KTO",
+        "policy",
+        ["loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"],
+    ),
     "sft_text": ("text", "SFT", "policy", ["loss", "learning_rate", "grad_norm"]),
     "reward": ("dpo", "Reward", "reward", ["loss", "accuracy", "margin", "learning_rate"]),
 }
@@ -200,7 +210,7 @@ def _ctx():
     return {"steps": 10, "steps_per_epoch": 5, "algo": "grpo", "agent": False}
 
 
-def test_table_covers_every_field_of_the_four_configs():
+def test_table_covers_every_field_of_the_configs():
     for cls_name in TABLE:
         names = {f.name for f in dataclasses.fields(getattr(trl, cls_name))}
         assert names <= set(TABLE[cls_name]), sorted(names - set(TABLE[cls_name]))
@@ -434,6 +444,39 @@ def test_every_trl_dpo_loss_type_and_option_maps(tiny_model_dir, tmp_path):
         _dpo(tiny_model_dir, tmp_path, loss_type="aot", use_weighting=True)  # TRL refuses it too
     with pytest.raises(Refused, match=r"^DPOConfig.loss_type=\['kto'\]: TRL 1.16's DPO loss types are sigmoid"):
         _dpo(tiny_model_dir, tmp_path, loss_type=["kto"])
+
+
+def test_kto_fields_land_in_the_recipe(tiny_model_dir, tmp_path, caplog):
+    from lorarl.api import load_recipe
+    from lorarl.trl import KTOConfig
+
+    args = KTOConfig(output_dir=str(tmp_path / "kto"))  # lorarl.trl's: TRL's, bf16 off without a bf16 GPU
+    assert (
+        isinstance(args, trl.KTOConfig) and args.learning_rate == 1e-6 and args.train_sampling_strategy == "sequential"
+    )
+    args.beta, args.loss_type, args.desirable_weight, args.undesirable_weight = 0.3, "apo_zero_unpaired", 1.33, 0.5
+    args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_length = 2, 3, 200
+    args.precompute_ref_log_probs, args.num_train_epochs = True, 2
+    rows = DATASETS["kto"] * 6  # 12 rows
+    r = load_recipe(
+        KTOTrainer(str(tiny_model_dir), ref_model=str(tiny_model_dir), args=args, train_dataset=rows).recipe
+    )
+    assert r.algo == "kto" and r.kto.loss_type == "apo_zero_unpaired" and r.kto.beta == 0.3
+    assert (r.kto.desirable_weight, r.kto.undesirable_weight) == (1.33, 0.5) and r.kto.precompute_ref_log_probs
+    assert r.kto.batch_size == 6 and r.train.micro_batch_size == 2 and r.kto.max_length == 200
+    assert r.kto.epochs == 2 and r.train.steps == 2 * 12 // 6 and r.train.learning_rate == 1e-6
+    args.loss_type = "sigmoid"
+    with pytest.raises(Refused, match=r"^KTOConfig.loss_type='sigmoid': TRL's KTO losses are kto and apo_zero"):
+        KTOTrainer(str(tiny_model_dir), args=args, train_dataset=rows)
+    args.loss_type, args.sync_ref_model = "kto", True
+    with pytest.raises(Refused, match=r"^KTOConfig.sync_ref_model=True: lorarl's reference refresh copies the policy"):
+        KTOTrainer(str(tiny_model_dir), args=args, train_dataset=rows)
+    args.sync_ref_model, args.train_sampling_strategy = False, "random"  # lorarl shuffles anyway: a notice
+    with caplog.at_level(logging.WARNING, logger="lorarl.trl"):
+        KTOTrainer(str(tiny_model_dir), args=args, train_dataset=rows)
+    assert any("KTOConfig.train_sampling_strategy='random' has no effect" in r.getMessage() for r in caplog.records)
+    with pytest.raises(Refused, match=r"^ref_model='other/model': lorarl's KTO reference is the policy's own base"):
+        KTOTrainer(str(tiny_model_dir), ref_model="other/model", args=args, train_dataset=rows)
 
 
 def test_trainer_arguments_lorarl_cannot_honour_are_refused(tiny_model_dir, tmp_path, caplog):

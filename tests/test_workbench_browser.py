@@ -11,9 +11,10 @@ names the field, shows the loader's line in red beside it; Launch starts nothing
 names the run folder), a second launch refused while one trains; the finished run's result line (its held-out
 evaluations and total time, checked against metrics.jsonl) and why the empty curves are empty; the log tail; the
 completions table (the user's turn, no chat template). Chat: the run's final adapter in a pane beside the base; the
-votes line counts each vote as it is cast. Retrain: DPO on the two votes, watched to its end. Export: the newest
-run picked, an empty name (the default said), the line while it runs, the gate's verdict; the same name again is
-refused until "replace" is ticked, then replaced.
+votes line counts each vote as it is cast, a 👍 and a 👎 on one answer each (KTO rows) too. Retrain: DPO on the two
+votes, watched to its end; KTO on the votes and the two single-answer votes (six rows), watched to its end. Export:
+the newest run (the KTO one) picked, an empty name (the default said), the line while it runs, the gate's verdict;
+the same name again is refused until "replace" is ticked, then replaced.
 
 Every step is real: ``lorarl train`` subprocesses, the run folder's files, the exported folder. Needs Chromium (see
 tests/test_chat_browser.py); skips, saying why, only when none is installed. The docs' screenshots come from a real
@@ -355,15 +356,26 @@ def _chat_and_vote(page, runs: Path) -> None:
         page.click(vote)
         _wait_text(page, "#status", "saved vote")
         assert f"{n} usable preference pair(s)" in _wait_text(page, "#wb-votes", f"{n} usable")  # no reload
+    # 👍 / 👎 under one pane each: its answer alone is a KTO row (prompt, completion, label)
+    for button, what in (("#up-1", "pane 2 👍"), ("#down-0", "pane 1 👎")):
+        page.click(button)
+        _wait_text(page, "#status", what)
+    rated = [json.loads(line) for line in (runs / "preferences_unpaired.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["label"]) for r in rated] == [("quick/policy", True), ("base", False)]
+    assert rated[0]["prompt"][-1] == {"role": "user", "content": "What is 7 + 5?"}
     pairs = [json.loads(line) for line in (runs / "preferences.jsonl").read_text().splitlines()]
     assert {(p["chosen_model"], p["rejected_model"]) for p in pairs} == {
         ("quick/policy", "base"),
         ("base", "quick/policy"),
     }
+    # the votes line counted the single-answer votes as they were cast (no reload)
+    votes = _wait_text(page, "#wb-votes", "2 single-answer")
+    assert "2 usable preference pair(s)" in votes and "2 single-answer vote(s) (1 👍, 1 👎: KTO only)" in votes
 
 
 def _retrain(page, runs: Path) -> None:
-    """DPO on the two votes from the run's adapter: a new run that Watch follows to its end."""
+    """DPO on the two votes from the run's adapter: a new run that Watch follows to its end; then KTO on the same
+    votes and the two single-answer ones."""
     _choose(page, "wb-start", "quick · final")
     page.click("#wb-dpo")
     status = _wait_text(page, "#wb-retrain-status", "launched")
@@ -377,13 +389,29 @@ def _retrain(page, runs: Path) -> None:
     assert str(snapshot.resolve()) in recipe and "quick/policy" in recipe
     assert snapshot.read_text() == (runs / "preferences.jsonl").read_text()
     assert (runs / name / "policy" / "adapter_config.json").is_file()
+    # KTO on the same votes beside DPO: the pairs unpaired (4 rows) and the two single-answer votes, one step of 6
+    page.wait_for_function("() => !document.querySelector('#wb-state').innerText.includes('exiting')")  # one run
+    _tab(page, "Chat")  # the launch moved the page to Watch; the starting checkpoint stays picked
+    assert "quick · final" in page.input_value("#wb-start input")
+    page.click("#wb-kto")
+    status = _wait_text(page, "#wb-retrain-status", "kto on the votes")
+    name = re.search(r"launched (\S+):", status).group(1)
+    assert name.startswith("kto-votes-")
+    _wait_text(page, "#wb-state", name)
+    _wait_text(page, "#wb-state", "finished", timeout=LONG)
+    snapshot = runs / name / "votes.jsonl"
+    both = (runs / "preferences.jsonl").read_text() + (runs / "preferences_unpaired.jsonl").read_text()
+    assert snapshot.read_text() == both and "quick/policy" in (runs / name / "recipe.yaml").read_text()
+    (row,) = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and "kl" in row and "rewards/chosen" in row and "rewards/rejected" in row
+    assert (runs / name / "policy" / "adapter_config.json").is_file()
 
 
 def _export(page, runs: Path) -> None:
     """The newest run's final adapter picked on arrival; an empty name (the default said); the line while it runs;
     the gate's verdict, matching gate.json; the same name refused until "replace" is ticked, then replaced."""
     _tab(page, "Export")
-    page.wait_for_function("() => document.querySelector('#wb-export-pick input').value.includes('dpo-votes-')")
+    page.wait_for_function("() => document.querySelector('#wb-export-pick input').value.includes('kto-votes-')")
     _choose(page, "wb-export-pick", "quick · final")
     # a minimum the tiny random model's export always meets (its near-uniform logits flip greedy ties): the verdict
     # is shown either way; the page's default, 0.95, is lorarl export's warning line

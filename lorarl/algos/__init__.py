@@ -16,6 +16,7 @@ ALGORITHMS = {
     "online_dpo": "lorarl.algos.online_dpo:OnlineDPO",
     "rloo": "lorarl.algos.rloo:RLOO",
     "distill": "lorarl.algos.distill:Distill",
+    "kto": "lorarl.algos.kto:KTO",
 }
 
 

@@ -32,10 +32,7 @@ with the end-of-turn EOS; unusable rows are left out and counted. The run stops 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -58,17 +55,14 @@ from lorarl.algos.dpo_scoring import (
     response_logps,
     role_logps,
 )
+from lorarl.algos.preference_eval import POLICY, evaluate_against_reference, report_split, save_policy
 from lorarl.config import Recipe
 from lorarl.core.preference_losses import LossSettings, PairLogps, combined_loss
 from lorarl.core.schedules import advance
 from lorarl.data.pairs import PairSet, load_pairs, skipped_summary
-from lorarl.errors import DataError
 from lorarl.model import REFERENCE, SharedBase
 from lorarl.phases import phase
-from lorarl.runfiles import write_atomic
 from lorarl.update import NonFiniteGuard, micro_batches, optimizer_step
-
-POLICY = "policy"
 
 PLOT_PANELS = (
     ("DPO loss", ("loss", "eval/loss")),
@@ -99,11 +93,8 @@ def load_split(recipe: Recipe, shared: SharedBase, split: str, limit: int | None
         recipe_path=recipe.source_path,
         limit=limit,
     )
-    line = skipped_summary(pairs) if pairs is not None else None
-    if line:
-        print(f"data: {line}", file=sys.stderr)
-        for _, why in pairs.skipped[:3]:
-            print(f"data:   {why}", file=sys.stderr)
+    if pairs is not None:
+        report_split(skipped_summary(pairs), pairs.skipped)
     return pairs
 
 
@@ -333,10 +324,8 @@ class DPO:
 
     def finish(self, run_dir, history: list[dict]) -> dict:
         """The policy adapter at ``run_dir/policy``, the held-out results in ``eval.json``; the summary's fields."""
-        self.shared.save_adapter(POLICY, run_dir / POLICY)
+        save_policy(self.shared, run_dir, self.eval_result)
         ev = self.eval_result or {}
-        if ev:
-            write_atomic(run_dir / "eval.json", json.dumps(ev, indent=2))
         tp = self.train_pairs
         return {
             "policy": str(run_dir / POLICY),
@@ -405,32 +394,19 @@ def evaluate(recipe: Recipe, checkpoint: str, n: int | None = None, *, shared: S
     and, with ``dpo.task_source``, the greedy task evaluation (:func:`lorarl.evaluate.evaluate`: ``accuracy``,
     ``reward_mean``, ...). For ``base`` (the starting point) every implicit reward of a reference-based loss is 0
     (accuracy 0: a tie counts as wrong)."""
-    from lorarl.evaluate import checkpoint_adapter, load_eval_adapter
-    from lorarl.evaluate import evaluate as evaluate_task
 
-    t0 = time.perf_counter()
-    shared = shared or SharedBase.load(recipe.model)
-    adapter = checkpoint_adapter(recipe, checkpoint)
-    reference = None
-    if recipe.dpo.needs_reference:
-        reference = REFERENCE
-        if recipe.model.init_adapter and not shared.has_adapter(REFERENCE):
-            shared.add_adapter(REFERENCE, init_from=recipe.model.init_adapter, trainable=False)
-    pairs = load_split(recipe, shared, "eval", limit=n or recipe.eval.n)
-    if pairs is None and not recipe.dpo.task_source:
-        raise DataError("nothing to evaluate: set data.eval_source (held-out pairs) and / or dpo.task_source")
-    out: dict = {"checkpoint": "base" if adapter is None else str(adapter)}
-    if pairs is not None:
-        role = load_eval_adapter(shared, adapter)
+    def held_out(shared: SharedBase, reference: str | None, policy_role) -> dict | None:
+        pairs = load_split(recipe, shared, "eval", limit=n or recipe.eval.n)
+        if pairs is None:
+            return None
+        role = policy_role()
         bs, max_tokens = recipe.eval.batch_size, recipe.dpo.max_tokens_per_forward
         scoring = scoring_of(recipe)
         ref = held_out_reference(shared, reference, pairs, bs, max_tokens, Scoring(ld_alpha=scoring.ld_alpha))
         metrics = pair_metrics(shared, pairs, role, ref, loss_of(recipe), bs, max_tokens, scoring)
-        out.update({f"preference/{k}": v for k, v in metrics.items()})
-    if recipe.dpo.task_source:
-        task = evaluate_task(recipe, checkpoint, n=n, shared=shared)
-        out.update({k: v for k, v in task.items() if k not in ("checkpoint", "seconds")})
-    out["seconds"] = round(time.perf_counter() - t0, 1)
-    if adapter is not None and adapter.name == POLICY and (adapter.parent / "recipe.yaml").is_file():
-        write_atomic(adapter.parent / "eval.json", json.dumps(out, indent=2))  # a run's final policy
-    return out
+        return {f"preference/{k}": v for k, v in metrics.items()}
+
+    needs = recipe.dpo.needs_reference
+    return evaluate_against_reference(
+        recipe, checkpoint, n, shared, needs_reference=needs, held_out=held_out, what="pairs"
+    )

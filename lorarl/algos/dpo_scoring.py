@@ -96,8 +96,10 @@ def response_logps(shared: SharedBase, tokens: PairTokens, max_tokens: int = 0, 
     of one pair that land in the same group share their prompt's forward."""
     p_len = tokens.prompt_mask.sum(dim=1).tolist()
     c_len = tokens.completion_mask.sum(dim=1)  # [N]
-    b = len(tokens) // 2
-    shared_len = torch.minimum(c_len[:b], c_len[b:]).repeat(2)  # [N]: the pair's shorter response (LD-DPO)
+    shared_len = None  # [N]: the pair's shorter response (LD-DPO only: other callers' rows need not be pairs)
+    if scoring.ld_alpha is not None:
+        b = len(tokens) // 2
+        shared_len = torch.minimum(c_len[:b], c_len[b:]).repeat(2)
     n = len(tokens)
     out: dict[str, list] = {"logps": [None] * n, "full": [None] * n, "wpo": [None] * n}
     for group in length_groups([p + c for p, c in zip(p_len, c_len.tolist())], max_tokens):

@@ -217,7 +217,11 @@ class Workbench(TrainTab, ExportTab):
             except LorarlError as e:
                 return _err(e), gr.skip(), gr.skip()
             name = Path(run_dir).name
-            origin = f"from `{start}`" if kind == "dpo" else f"(a fresh reward adapter on the base of `{start}`)"
+            origin = (
+                f"from `{start}`"
+                if kind in retrain.POLICY_KINDS
+                else f"(a fresh reward adapter on the base of `{start}`)"
+            )
             msg = f"launched `{name}`: {kind} on the votes {origin}; watch it in the Watch tab"
             msg += f" ({notes[0]})" if notes and notes[0] else ""
             return msg, gr.Tabs(selected="watch"), gr.Dropdown(self.run_choices(), value=name)
@@ -285,7 +289,7 @@ def wire_workbench(w: WorkbenchWidgets, wb: Workbench, chat_widgets, chat_handle
         chat_handlers.on_refresh, pickers, [*pickers, chat_widgets.settings.reward, chat_widgets.status], **PRIVATE
     )
     w.chat_tab.select(wb.on_chat_tab, r.start, [r.summary, r.start, r.panes_note], **PRIVATE)
-    for kind, button in (("dpo", r.dpo), ("reward_model", r.reward_model)):
+    for kind, button in (("dpo", r.dpo), ("kto", r.kto), ("reward_model", r.reward_model)):
         button.click(wb.retrain_handler(kind), r.start, [r.status, w.tabs, wt.run], **PRIVATE)
     x.refresh.click(wb.on_export_refresh, x.checkpoint, x.checkpoint, **PRIVATE)
     w.export_tab.select(wb.on_export_refresh, x.checkpoint, x.checkpoint, **PRIVATE)

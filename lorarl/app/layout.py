@@ -84,6 +84,7 @@ class RetrainRow:
     dpo: Any
     reward_model: Any
     status: Any
+    kto: Any = None  # KTO on the votes: pairs unpaired + the single-answer 👍 / 👎
 
 
 @dataclass
@@ -121,7 +122,9 @@ def base_note(base_model: str) -> str:
 
 
 RM_NOTE = (
-    "**DPO on votes** starts the policy from the checkpoint picked here. **Reward model on votes** trains a fresh "
+    "**DPO on votes** starts the policy from the checkpoint picked here; **KTO on votes** too, on every pairwise "
+    "vote (a 👍 and a 👎 row each) and every single-answer 👍 / 👎 (two rows are enough). **Reward model on votes** "
+    "trains a fresh "
     "reward adapter (the reward model is its own role: nothing of the picked policy carries over) on the base that "
     "checkpoint was trained on."
 )
@@ -212,9 +215,10 @@ def retrain_row(checkpoints: list[tuple[str, str]], base_model: str) -> RetrainR
         with gr.Row():
             start = gr.Dropdown(checkpoints, value="base", label="Starting checkpoint", elem_id="wb-start", scale=3)
             dpo = gr.Button("DPO on votes", elem_id="wb-dpo", scale=1)
+            kto = gr.Button("KTO on votes", elem_id="wb-kto", scale=1)
             reward_model = gr.Button("Reward model on votes", elem_id="wb-rm", scale=1)
         status = gr.Markdown("", elem_id="wb-retrain-status")
-    return RetrainRow(panes_note, summary, start, dpo, reward_model, status)
+    return RetrainRow(panes_note, summary, start, dpo, reward_model, status, kto)
 
 
 def _export_tab(checkpoints: list[tuple[str, str]], pick: str | None) -> ExportTab:

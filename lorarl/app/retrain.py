@@ -1,12 +1,16 @@
 """Vote -> retrain: the chat's votes file (``RUNS/preferences.jsonl``, :mod:`lorarl.chat.votes`) becomes the data of
-a DPO run (``recipes/dpo.yaml``, the policy starting from the chosen checkpoint) or of a reward-model run
+a DPO run (``recipes/dpo.yaml``, the policy starting from the chosen checkpoint), of a KTO run
+(``recipes/kto_arithmetic.yaml``, the same start; its rows are every pairwise vote unpaired into a 👍 and a 👎 row, and
+the single-answer 👍 / 👎 votes of ``RUNS/preferences_unpaired.jsonl``: usable from two rows, one vote of each kind
+or one pairwise vote, where DPO needs pairs) or of a reward-model run
 (``recipes/reward_model.yaml``), launched by the job runner like any other run. The reward adapter is its own role:
 a reward-model run starts a fresh reward adapter and score head on the base the chosen checkpoint was trained on
 (the checkpoints offered are policies, which are no reward adapter to continue from); only DPO starts from the
 checkpoint's policy.
 
 The shipped recipe is used as it is, with overrides only: ``data.source`` = a copy of the votes file taken at launch
-(``RUN/votes.jsonl``, ties beside it: a vote cast later changes neither a resume nor the run); ``data.eval_source:
+(``RUN/votes.jsonl``, ties beside it; for KTO the single-answer votes appended to it: a vote cast later changes
+neither a resume nor the run); ``data.eval_source:
 null`` (the votes have no held-out split, so no held-out pairs are scored; DPO's task evaluation, when its recipe has
 one, still runs at the end); ``model.init_adapter`` = the checkpoint's policy adapter (DPO) and ``model.name`` = the
 base that checkpoint was trained on (else the chat's base); the batch cut to the number of usable pairs, and
@@ -26,15 +30,17 @@ from typing import Literal
 
 from lorarl.app.jobs import is_unstarted
 from lorarl.app.paths import check_run_name, is_inside, shipped_recipes_dir
-from lorarl.chat.votes import PREFERENCES_FILE, ties_path
+from lorarl.chat.votes import PREFERENCES_FILE, ties_path, unpaired_path
 from lorarl.config import load_recipe, yaml_load
 from lorarl.errors import LorarlError
 from lorarl.runfiles import write_atomic
 from lorarl.runs import CHECKPOINTS, STEP_RE, is_adapter
 from lorarl.runstate import VOTES_FILE, VOTES_TIES_FILE
 
-Kind = Literal["dpo", "reward_model"]
-KINDS = ("dpo", "reward_model")
+Kind = Literal["dpo", "reward_model", "kto"]
+KINDS = ("dpo", "reward_model", "kto")
+RECIPES = {"dpo": "dpo", "reward_model": "reward_model", "kto": "kto_arithmetic"}  # kind -> its shipped recipe
+POLICY_KINDS = ("dpo", "kto")  # the policy starts from the chosen checkpoint
 BASE = "base"
 
 
@@ -48,13 +54,26 @@ class VotesSummary:
     usable: int
     ties: int
     unusable: int
+    up: int = 0  # single-answer votes (TRL unpaired rows, in the file or beside it): 👍
+    down: int = 0  # 👎
+
+    @property
+    def kto_rows(self) -> int:
+        """The rows a KTO retrain trains on: each usable pair unpaired into two, and every single-answer vote."""
+        return 2 * self.usable + self.up + self.down
 
     @property
     def text(self) -> str:
-        if not self.rows and not self.ties:
-            return f"no votes yet ({self.path} does not exist or is empty): vote on two panes' answers in the Chat tab"
+        if not self.rows and not self.ties and not (self.up or self.down):
+            return (
+                f"no votes yet ({self.path} does not exist or is empty): vote on two panes' answers, or 👍 / 👎 one "
+                "answer, in the Chat tab"
+            )
         extra = f", {self.unusable} unusable row(s) left out" if self.unusable else ""
-        return f"{self.usable} usable preference pair(s) in {self.path} ({self.ties} tie(s) left out{extra})"
+        line = f"{self.usable} usable preference pair(s) in {self.path} ({self.ties} tie(s) left out{extra})"
+        if self.up or self.down:
+            line += f"; {self.up + self.down} single-answer vote(s) ({self.up} 👍, {self.down} 👎: KTO only)"
+        return line
 
 
 def _answer(value) -> str | None:
@@ -86,9 +105,17 @@ def votes_summary(runs_dir: str | os.PathLike, votes_path: str | os.PathLike | N
     rows = _read_jsonl(path)
     ties = len(_read_jsonl(ties_path(path)))
     usable = unusable = 0
-    for row in rows:
+    rated = {True: 0, False: 0}
+    for row in [*rows, *_read_jsonl(unpaired_path(path))]:
         if isinstance(row, dict) and row.get("tie") is True:
             ties += 1
+            continue
+        if isinstance(row, dict) and "completion" in row:  # a single-answer vote (TRL's unpaired row)
+            label = row.get("label")
+            if isinstance(label, bool) and _answer(row["completion"]) is not None:
+                rated[label] += 1
+            else:
+                unusable += 1
             continue
         a = _answer(row.get("chosen")) if isinstance(row, dict) else None
         b = _answer(row.get("rejected")) if isinstance(row, dict) else None
@@ -96,7 +123,7 @@ def votes_summary(runs_dir: str | os.PathLike, votes_path: str | os.PathLike | N
             unusable += 1
         else:
             usable += 1
-    return VotesSummary(path, len(rows), usable, ties, unusable)
+    return VotesSummary(path, len(rows), usable, ties, unusable, rated[True], rated[False])
 
 
 def summary_line(summary: VotesSummary) -> str:
@@ -139,10 +166,11 @@ def _run_model(adapter: Path) -> str | None:
 
 def _recipe_file(kind: str, recipe_dirs: list[Path] | None) -> Path:
     dirs = [Path(d) for d in recipe_dirs] if recipe_dirs is not None else [shipped_recipes_dir()]
+    name = f"{RECIPES[kind]}.yaml"
     for d in dirs:
-        if (d / f"{kind}.yaml").is_file():
-            return d / f"{kind}.yaml"
-    raise LorarlError(f"no {kind}.yaml in the recipe folders ({', '.join(str(d) for d in dirs)})")
+        if (d / name).is_file():
+            return d / name
+    raise LorarlError(f"no {name} in the recipe folders ({', '.join(str(d) for d in dirs)})")
 
 
 def retrain_overrides(
@@ -163,13 +191,19 @@ def retrain_overrides(
     runs_dir = Path(runs_dir)
     votes = Path(votes_path).resolve()
     summary = votes_summary(runs_dir, votes)
-    if summary.usable == 0:
+    usable = summary.kto_rows if kind == "kto" else summary.usable
+    if kind == "kto" and usable < 2:
+        raise LorarlError(
+            f"nothing to train on: KTO needs 2 rows or more (a 👍 and a 👎 under answers, or one pairwise vote): "
+            f"{summary.text}"
+        )
+    if usable == 0:
         raise LorarlError(f"nothing to train on: {summary.text}")
     recipe_path = _recipe_file(kind, recipe_dirs)
     recipe = load_recipe(recipe_path)
     section = getattr(recipe, kind)
-    batch = min(section.batch_size, summary.usable)
-    steps = max(1, math.ceil(summary.usable * section.epochs / batch))
+    batch = min(section.batch_size, usable)
+    steps = max(1, math.ceil(usable * section.epochs / batch))
     overrides = [
         f"data.source={json.dumps(str(votes))}",
         "data.eval_source=null",
@@ -186,7 +220,7 @@ def retrain_overrides(
     model = _run_model(adapter) if adapter is not None else base_model
     if model:
         overrides.append(f"model.name={json.dumps(model)}")
-    if adapter is not None and kind == "dpo":
+    if adapter is not None and kind in POLICY_KINDS:
         overrides.append(f"model.init_adapter={json.dumps(str(adapter.resolve()))}")
     return recipe_path, overrides
 
@@ -214,7 +248,7 @@ def launch_retrain(
     retrain_overrides(kind, votes, start_checkpoint, **args)  # its refusals before anything is written
     created = not run_dir.exists()
     try:
-        snapshot = snapshot_votes(votes, run_dir)
+        snapshot = snapshot_votes(votes, run_dir, unpaired=kind == "kto")
         recipe, overrides = retrain_overrides(kind, snapshot, start_checkpoint, **args)
         return (launch or runner.launch)(recipe, name, overrides + list(extra_overrides))
     except BaseException:
@@ -223,15 +257,19 @@ def launch_retrain(
         raise
 
 
-def snapshot_votes(votes: Path, run_dir: Path) -> Path:
+def snapshot_votes(votes: Path, run_dir: Path, unpaired: bool = False) -> Path:
     """Copy the votes file (and its ties file) into ``RUN/votes.jsonl`` (``RUN/votes_ties.jsonl``), each written
     atomically, and return the copy: the run trains on the votes as they were at launch, so a vote cast later
-    changes neither a resume (bit-identical) nor what the run's recipe says it trained on."""
+    changes neither a resume (bit-identical) nor what the run's recipe says it trained on. ``unpaired`` (KTO): the
+    single-answer votes beside the votes file are appended to the copy, one file holding every row."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    extra = unpaired_path(votes) if unpaired else None
     for src, name in ((votes, VOTES_FILE), (ties_path(votes), VOTES_TIES_FILE)):
         dst = run_dir / name
-        if not src.is_file():
+        parts = [p for p in (src, extra if name == VOTES_FILE else None) if p is not None and p.is_file()]
+        if not parts:
             dst.unlink(missing_ok=True)
             continue
-        write_atomic(dst, src.read_bytes())
+        data = [part.read_bytes() for part in parts]
+        write_atomic(dst, b"".join(d if not d or d.endswith(b"\n") else d + b"\n" for d in data))
     return run_dir / VOTES_FILE

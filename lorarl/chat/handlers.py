@@ -322,6 +322,18 @@ class Handlers:
 
         return on_vote
 
+    def rate_handler(self, pane: int, label: bool) -> Callable:
+        """The callback of pane ``pane``'s 👍 (``label`` True) / 👎 button: its last answer rated alone."""
+
+        def on_rate(request: gr.Request):
+            try:
+                path, what = self.session.rate_turn(_session_id(request), pane, label)
+            except LorarlError as e:
+                raise gr.Error(str(e)) from None
+            return f"saved vote ({what}) to `{path}`"
+
+        return on_rate
+
 
 def wire(w: Widgets, h: Handlers) -> list:
     """Connect the components' events to the handlers (all private: not part of the client API). Returns the vote
@@ -349,4 +361,7 @@ def wire(w: Widgets, h: Handlers) -> list:
     for verdict in ("left", "right", "tie"):
         inputs = [w.votes["left_pane"], w.votes["right_pane"], w.turn, *p.bots]
         votes.append(w.votes[verdict].click(h.vote_handler(verdict), inputs, [w.status, w.turn], **private))
+    for i, (up, down) in enumerate(zip(p.ups, p.downs)):
+        votes.append(up.click(h.rate_handler(i, True), None, w.status, **private))
+        votes.append(down.click(h.rate_handler(i, False), None, w.status, **private))
     return votes

@@ -1,10 +1,10 @@
-"""The Gradio layout, top to bottom: header, pane count + Refresh, 2 to 4 panes (checkpoint picker, chat, reward),
-the prompt box, Stop / Regenerate / Clear, the vote row, the status line, and the settings panel. Builds components
+"""The Gradio layout, top to bottom: header, pane count + Refresh, 2 to 4 panes (checkpoint picker, chat, reward,
+👍 / 👎 for its answer alone), the prompt box, Stop / Regenerate / Clear, the vote row, the status line, and the settings panel. Builds components
 only (call inside a ``gr.Blocks``); :mod:`lorarl.chat.handlers` wires their events."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gradio as gr
@@ -28,6 +28,8 @@ class Panes:
     pickers: list[Any]
     bots: list[Any]
     rewards: list[Any]
+    ups: list[Any] = field(default_factory=list)  # 👍 / 👎: the pane's last answer rated alone (a KTO row)
+    downs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +92,9 @@ def _panes(choices: list[tuple[str, str]], picks: list[str]) -> Panes:
                     )
                 )
                 panes.rewards.append(gr.Markdown("", elem_id=f"reward-{i}", elem_classes=["pane-reward"]))
+                with gr.Row():
+                    panes.ups.append(gr.Button("👍 good", elem_id=f"up-{i}", size="sm", min_width=60))
+                    panes.downs.append(gr.Button("👎 bad", elem_id=f"down-{i}", size="sm", min_width=60))
             panes.cols.append(col)
     return panes
 

@@ -12,7 +12,7 @@ from lorarl.chat.catalog import NO_REWARD
 from lorarl.chat.consent import RunCode
 from lorarl.chat.engine import ChatEngine
 from lorarl.chat.inputs import system_messages
-from lorarl.chat.votes import append_jsonl, preference_record
+from lorarl.chat.votes import append_jsonl, preference_record, unpaired_path, unpaired_record
 from lorarl.config import GenerationConfig
 from lorarl.errors import LorarlError
 
@@ -27,6 +27,7 @@ class ChatSession:
         self.catalog = engine.catalog
         self.preferences = preferences
         self.ties = ties
+        self.unpaired = unpaired_path(preferences)  # single-answer 👍 / 👎 votes (KTO rows)
         self._stops: dict[str, threading.Event] = {}
         self._turns: dict[str, dict] = {}  # browser session -> its last answered turn, as the server generated it
         # the workbench's memory rule (lorarl.app.memory): the line answered instead of generating, or None
@@ -125,6 +126,7 @@ class ChatSession:
             "convs": [[dict(m) for m in c] for c in convs],
             "answers": [a.text for a in answers],
             "voted": None,
+            "rated": {},  # pane index -> True (👍) / False (👎): each answer is rated once
         }
 
     def vote_turn(self, session: str, verdict: str, left: int, right: int) -> tuple[str, str]:
@@ -139,6 +141,21 @@ class ChatSession:
         path = self.vote(verdict, turn["system"], *sides, turn["panes"][left], turn["panes"][right])
         turn["voted"] = "tie" if verdict == "tie" else f"pane {(left if verdict == 'left' else right) + 1} preferred"
         return path, turn["voted"]
+
+    def rate_turn(self, session: str, pane: int, label: bool) -> tuple[str, str]:
+        """Rate pane ``pane``'s (0-based) last answer of ``session``'s last turn alone: 👍 (``label`` True) or 👎,
+        appended as TRL's unpaired row to :attr:`unpaired`; returns ``(path written, what was recorded)``. Refused
+        when the pane has not answered or its answer was rated already."""
+        turn = self._turns.get(session)
+        if turn is None or not 0 <= pane < len(turn["answers"]):
+            raise LorarlError(f"pane {pane + 1} has not answered yet")
+        if pane in turn["rated"]:
+            was = "👍" if turn["rated"][pane] else "👎"
+            raise LorarlError(f"pane {pane + 1}'s answer is rated already ({was}); send or regenerate to rate again")
+        history = turn["convs"][pane] + [{"role": "assistant", "content": turn["answers"][pane]}]
+        append_jsonl(self.unpaired, unpaired_record(turn["system"], history, turn["panes"][pane], label))
+        turn["rated"][pane] = bool(label)
+        return str(self.unpaired), f"pane {pane + 1} {'👍' if label else '👎'}"
 
     def vote(
         self, verdict: str, system: str, left: list[dict], right: list[dict], left_model: str, right_model: str

@@ -1,10 +1,15 @@
-"""Votes as preference pairs, in TRL's conversational format, ready for ``recipes/reward_model.yaml``.
+"""Votes as preference pairs, in TRL's conversational format, ready for ``recipes/reward_model.yaml``; and single
+answers rated 👍 / 👎 as TRL's unpaired rows, ready for KTO (``recipes/kto_arithmetic.yaml``).
 
 "left better" / "right better" append ``{"prompt": [...], "chosen": [{"role": "assistant", ...}], "rejected":
 [...]}`` plus ``chosen_model`` / ``rejected_model`` / ``created`` to ``RUNS/preferences.jsonl``. Ties go to a
 separate file, ``RUNS/preferences_ties.jsonl`` (same fields, left pane as "chosen", ``"tie": true``), so the
 preference file stays directly trainable. Each line is appended, flushed and fsynced. A pair needs one shared
 prompt: when the two panes' earlier turns differ, the vote is refused (single-turn votes always work).
+
+👍 / 👎 under one pane's answer append ``{"prompt": [...], "completion": [{"role": "assistant", ...}], "label":
+true | false}`` plus ``model`` / ``created`` to ``RUNS/preferences_unpaired.jsonl`` (beside the preference file):
+TRL's unpaired preference format, one row per vote, no second pane needed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ _write_lock = threading.Lock()
 def ties_path(preferences: Path) -> Path:
     """Where ties go: beside the preference file, ``NAME_ties.jsonl``."""
     return preferences.with_name(preferences.stem + "_ties" + preferences.suffix)
+
+
+def unpaired_path(preferences: Path) -> Path:
+    """Where single-answer 👍 / 👎 votes go: beside the preference file, ``NAME_unpaired.jsonl``."""
+    return preferences.with_name(preferences.stem + "_unpaired" + preferences.suffix)
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -80,3 +90,18 @@ def preference_record(
     if verdict == "tie":
         record["tie"] = True
     return record, verdict == "tie"
+
+
+def unpaired_record(system: str, history: list[dict], model: str, label: bool) -> dict:
+    """One pane's answer rated alone: TRL's unpaired row ``{"prompt", "completion", "label"}`` (``label`` True for
+    👍, False for 👎) plus ``model`` and ``created``, from the pane's history ending with the assistant's answer.
+    Raises LorarlError when the pane has no answer yet."""
+    if len(history) < 2 or history[-1]["role"] != "assistant" or history[-2]["role"] != "user":
+        raise LorarlError("that pane has no answer to rate yet")
+    return {
+        "prompt": system_messages(system) + [dict(m) for m in history[:-1]],
+        "completion": [{"role": "assistant", "content": history[-1]["content"]}],
+        "label": bool(label),
+        "model": model,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,5 +1,5 @@
 """The algorithms' own recipe sections (``grpo``, ``ppo`` with its sub-sections, ``reward_model``, ``sft``,
-``rejection_sampling``, ``dpo``): one dataclass each, every field documented where it is declared, ranges checked in
+``rejection_sampling``, ``dpo``, ``online_dpo``, ``kto``): one dataclass each, every field documented where it is declared, ranges checked in
 ``validate``. The shared sections and :class:`~lorarl.config.schema.Recipe` are in :mod:`lorarl.config.schema`.
 """
 
@@ -540,6 +540,53 @@ class DistillConfig:
         check(0.0 <= self.beta <= 1.0, where, "distill.beta", "must be in [0, 1] (0 forward KL, 1 reverse KL)")
 
 
+KTOLossName = Literal["kto", "apo_zero_unpaired"]
+
+
+@dataclass
+class KTOConfig:
+    """KTO (Ethayarajh et al. 2024; TRL's KTOTrainer; lorarl.algos.kto) of the policy adapter on unpaired rows
+    (prompt, completion, label; preference pairs give two rows each) against the reference (the base with adapters
+    off, or model.init_adapter frozen). Losses by TRL's names (lorarl.core.kto_losses)."""
+
+    # kto: the paper's loss with the KL reference point from mismatched pairs; apo_zero_unpaired: APO-zero unpaired
+    # (no KL term)
+    loss_type: KTOLossName = "kto"
+    beta: float = 0.1  # KTO's beta, as TRL's: a larger beta keeps the policy nearer the reference
+    desirable_weight: float = 1.0  # w_d: the desirable rows' losses x this (TRL's; Eq. 8 balances unequal counts)
+    undesirable_weight: float = 1.0  # w_u: the undesirable rows' losses x this
+    precompute_ref_log_probs: bool = False  # the reference's log-probs of every training row once, before step 1
+    #   (the KL pairs' reference log-probs are still computed each step: the pairs follow the shuffled batch)
+    epochs: int = 1  # passes over the rows (train.steps may stop it first)
+    batch_size: int = 16  # rows per optimizer step; the KL estimate pairs each prompt with another row's completion
+    #   of the same batch, over the whole batch (TRL: over each per-device micro-batch)
+    max_length: int = 512  # prompt + completion in tokens; longer rows are skipped and counted (TRL truncates)
+    max_tokens_per_forward: int = 2048  # length-sorted forwards of at most this many padded tokens; 0 = one forward
+    task_source: str | None = None  # held-out prompts for the greedy task evaluation (e.g. arithmetic); null: none
+
+    def validate(self, where: str) -> None:
+        check(self.beta > 0, where, "kto.beta", "must be > 0")
+        check(self.desirable_weight >= 0, where, "kto.desirable_weight", "must be >= 0")
+        check(self.undesirable_weight >= 0, where, "kto.undesirable_weight", "must be >= 0")
+        check(
+            self.desirable_weight > 0 or self.undesirable_weight > 0,
+            where,
+            "kto.desirable_weight",
+            "and kto.undesirable_weight are both 0: nothing would be trained",
+        )
+        check(self.epochs >= 1, where, "kto.epochs", "must be >= 1")
+        check(self.batch_size >= 1, where, "kto.batch_size", "must be >= 1")
+        check(
+            self.loss_type != "kto" or self.batch_size >= 2,
+            where,
+            "kto.batch_size",
+            "must be >= 2 with loss_type kto: its KL estimate pairs each prompt with another row's completion of the "
+            "batch (TRL refuses per_device_train_batch_size 1 too); apo_zero_unpaired has no KL term",
+        )
+        check(self.max_length >= 2, where, "kto.max_length", "must be >= 2")
+        check(self.max_tokens_per_forward >= 0, where, "kto.max_tokens_per_forward", "must be >= 0")
+
+
 # The algorithm sections, and the shared sections each algorithm reads (others are refused in a recipe).
 ALGO_SECTIONS: dict[str, type] = {
     "grpo": GRPOConfig,
@@ -551,6 +598,7 @@ ALGO_SECTIONS: dict[str, type] = {
     "online_dpo": OnlineDPOConfig,
     "rloo": RLOOConfig,
     "distill": DistillConfig,
+    "kto": KTOConfig,
 }
 SHARED_SECTIONS = ("model", "lora", "data", "reward", "generation", "train", "eval", "health")
 USES = {
@@ -563,5 +611,6 @@ USES = {
     "online_dpo": SHARED_SECTIONS,  # prompts, the reward that ranks the samples, sampling
     "rloo": SHARED_SECTIONS,  # single-turn, as TRL's RLOOTrainer (no tools)
     "distill": SHARED_SECTIONS,  # prompts and sampling; the reward scores the held-out evaluation only
+    "kto": SHARED_SECTIONS,  # reward and generation: the held-out task evaluation (kto.task_source)
 }
 TRAINS_ON_SAMPLES = ("grpo", "ppo", "rloo", "distill")

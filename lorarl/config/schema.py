@@ -17,6 +17,7 @@ from lorarl.config.algorithms import (
     DistillConfig,
     DPOConfig,
     GRPOConfig,
+    KTOConfig,
     OnlineDPOConfig,
     PPOConfig,
     RejectionSamplingConfig,
@@ -325,9 +326,13 @@ class HealthConfig:
     no_signal_fraction: float = 0.9  # "most groups": this fraction of zero-spread groups
     alarm_window: int = 3  # held-out evaluations compared by the reward-hacking alarm (needs eval.every)
     length_drift: float = 3.0  # warn when mean completion length moves by this factor from the first steps
+    chosen_falling_steps: int = 5  # DPO / KTO: steps in a row with rewards/chosen < 0 (the preferred / desirable
+    #   answers less likely than under the reference) before a warning
 
     def validate(self, where: str) -> None:
-        for name in ("parity_every", "parity_rows", "learning_after", "no_signal_steps", "alarm_window"):
+        for name in (
+            "parity_every", "parity_rows", "learning_after", "no_signal_steps", "alarm_window", "chosen_falling_steps"
+        ):  # fmt: skip
             check(getattr(self, name) >= 0, where, f"health.{name}", "must be >= 0 (0: off)")
         check(
             self.parity_tolerance is None or self.parity_tolerance > 0, where, "health.parity_tolerance", "must be > 0"
@@ -342,7 +347,7 @@ class Recipe:
 
     # which algorithm trains
     algo: Literal[
-        "grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "rloo", "distill"
+        "grpo", "ppo", "reward_model", "sft", "rejection_sampling", "dpo", "online_dpo", "rloo", "distill", "kto"
     ] = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -362,6 +367,7 @@ class Recipe:
     online_dpo: OnlineDPOConfig | None = None
     rloo: RLOOConfig | None = None
     distill: DistillConfig | None = None
+    kto: KTOConfig | None = None
     source_path: str | None = None  # where the recipe was read from (set by load_recipe, not a YAML key)
 
     def __post_init__(self) -> None:

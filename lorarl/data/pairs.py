@@ -23,6 +23,7 @@ first problem's row and column.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +121,7 @@ def count_ties_beside(source: str, recipe_path: str | None) -> int | None:
     return sum(1 for line in ties.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
-def _one_row(row: Any, i: int, data: DataConfig, tokenizer, eos_ids, end_id, max_length: int):
+def read_pair_row(row: Any, i: int, data: DataConfig, tokenizer, eos_ids, end_id, max_length: int):
     """One raw row -> ``(pair, ids)``, or ``(kind, reason)`` for a row left out. DataError: a malformed row."""
     if isinstance(row, dict) and row.get("tie") is True:
         return "tie", f"row {i}: a tie (column 'tie' is true)"
@@ -154,6 +155,27 @@ def _one_row(row: Any, i: int, data: DataConfig, tokenizer, eos_ids, end_id, max
     return pair, ids
 
 
+def usable_rows(rows: list, read, where: str, on_bad_row: str, counts: Counter, skipped: list, full) -> Iterator:
+    """What ``read(row, i)`` gives for each usable row of ``rows``, until ``full()``; a row it leaves out (a
+    ``(kind, reason)`` result) is counted in ``counts`` and listed in ``skipped``, and so is a malformed row (a
+    DataError) under ``on_bad_row: skip`` (kind ``bad``); under ``fail`` the error stops the load, prefixed by
+    ``where``."""
+    for i, row in enumerate(rows):
+        if full():
+            break
+        try:
+            got = read(row, i)
+        except DataError as e:
+            if on_bad_row == "fail":
+                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
+            got = ("bad", str(e))
+        if isinstance(got, tuple) and isinstance(got[0], str):
+            counts[got[0]] += 1
+            skipped.append((i, got[1]))
+            continue
+        yield got
+
+
 def load_pairs(
     data: DataConfig,
     tokenizer,
@@ -179,19 +201,12 @@ def load_pairs(
         return None
     out = PairSet(pairs=[], source=where, ties_beside=count_ties_beside(source, recipe_path))
     counts: Counter = Counter()
-    for i, row in enumerate(rows):
-        if limit is not None and len(out) >= limit:
-            break
-        try:
-            pair, ids = _one_row(row, i, data, tokenizer, eos_ids, end_id, max_length)
-        except DataError as e:
-            if data.on_bad_row == "fail":
-                raise DataError(f"{where}: {e} (set data.on_bad_row: skip to drop bad rows)") from None
-            pair, ids = "bad", str(e)
-        if isinstance(pair, str):
-            counts[pair] += 1
-            out.skipped.append((i, ids))
-            continue
+
+    def read(row, i):
+        return read_pair_row(row, i, data, tokenizer, eos_ids, end_id, max_length)
+
+    full = (lambda: len(out) >= limit) if limit is not None else (lambda: False)
+    for pair, ids in usable_rows(rows, read, where, data.on_bad_row, counts, out.skipped, full):
         out.pairs.append(pair)
         out.prompt_ids.append(ids[0])
         out.chosen_ids.append(ids[1])

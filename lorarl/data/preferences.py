@@ -132,7 +132,7 @@ def _is_messages(x: Any) -> bool:
     return isinstance(x, (list, tuple))
 
 
-def _check_messages(messages: Any, i: int, column: str) -> list[dict]:
+def check_messages(messages: Any, i: int, column: str) -> list[dict]:
     if not messages:
         raise DataError(f"row {i}: column '{column}' is an empty message list")
     out = []
@@ -142,7 +142,7 @@ def _check_messages(messages: Any, i: int, column: str) -> list[dict]:
     return out
 
 
-def _check_text(x: Any, i: int, column: str) -> str:
+def check_text(x: Any, i: int, column: str) -> str:
     if not isinstance(x, str):
         raise DataError(
             f"row {i}: column '{column}' must be a string or a list of chat messages, got {type(x).__name__}"
@@ -172,8 +172,8 @@ def normalize_pair(row: Any, i: int) -> dict:
             f"row {i}: column 'rejected' must have the same format as 'chosen' (both strings or both messages)"
         )
     if conversational:
-        chosen = _check_messages(chosen, i, "chosen")
-        rejected = _check_messages(rejected, i, "rejected")
+        chosen = check_messages(chosen, i, "chosen")
+        rejected = check_messages(rejected, i, "rejected")
         if prompt is None:  # implicit prompt: the shared leading messages
             k = 0
             while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
@@ -186,13 +186,13 @@ def normalize_pair(row: Any, i: int) -> dict:
         elif not _is_messages(prompt):
             raise DataError(f"row {i}: column 'prompt' must be a list of messages when 'chosen' is")
         else:
-            prompt = _check_messages(prompt, i, "prompt")
+            prompt = check_messages(prompt, i, "prompt")
         for col, msgs in (("chosen", chosen), ("rejected", rejected)):
             if msgs[-1]["role"] != "assistant":
                 raise DataError(f"row {i}: column '{col}' must end with an assistant message")
     else:
-        chosen = _check_text(chosen, i, "chosen")
-        rejected = _check_text(rejected, i, "rejected")
+        chosen = check_text(chosen, i, "chosen")
+        rejected = check_text(rejected, i, "rejected")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise DataError(f"row {i}: column 'prompt' must be a string when 'chosen' is")

@@ -81,6 +81,11 @@ def stage_notes(algo: str, summary: dict) -> str:
             f"{summary.get('steps')} steps on {summary.get('train_pairs')} pairs, held-out implicit-reward accuracy "
             f"{percent(summary.get('preference_accuracy'))}"
         )
+    if algo == "kto":
+        return (
+            f"{summary.get('steps')} steps on {summary.get('train_rows')} rows ({summary.get('desirable_rows')} "
+            f"desirable), held-out loss {number(summary.get('eval_loss'))}"
+        )
     if algo == "online_dpo":
         return (
             f"{summary.get('steps')} steps, reward of the samples {number(summary.get('reward_first10'))} -> "

@@ -46,7 +46,7 @@ from lorarl.config.algorithms import ALGO_SECTIONS, USES
 from lorarl.config.shipped import resolve_recipe, shipped_recipe
 from lorarl.errors import LorarlError, RecipeError
 
-POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo", "rloo", "distill")
+POLICY_ALGOS = ("sft", "grpo", "ppo", "dpo", "online_dpo", "rloo", "distill", "kto")
 STAGE_KEYS = ("name", "recipe", "overrides")
 TOP_KEYS = ("defaults", "evaluation", "stages")
 EVAL_KEYS = ("n", "base", "recipe", "overrides")
@@ -278,10 +278,10 @@ def evaluation_recipe(raw: dict, where: Path, stages: list[Stage], overrides: li
         mapping, label = copy.deepcopy(policies[-1].raw), f"{where}: evaluation (stage {policies[-1].name}'s recipe)"
     extra = [str(o) for o in ev.get("overrides") or []] + [o for o in overrides if o.split("=", 1)[0] not in EVAL_KEYS]
     recipe = recipe_from_dict(mapping, label, extra, strict=False)
-    if recipe.algo == "dpo" and not recipe.dpo.task_source:
+    if recipe.algo in ("dpo", "kto") and not getattr(recipe, recipe.algo).task_source:
         raise RecipeError(
-            f"{label}: a DPO recipe evaluates on held-out prompts only with dpo.task_source; set it, or "
-            "evaluation.recipe"
+            f"{label}: a {recipe.algo.upper()} recipe evaluates on held-out prompts only with "
+            f"{recipe.algo}.task_source; set it, or evaluation.recipe"
         )
     # the base row is the pipeline's starting point: adapters off, or the first stage's own init adapter
     recipe.model.init_adapter = stages[0].recipe.model.init_adapter

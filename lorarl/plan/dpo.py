@@ -1,5 +1,5 @@
 """DPO's step (:mod:`lorarl.algos.dpo`) for the planner: no generation, a no-grad reference pass and the policy's
-forward + backward over preference pairs.
+forward + backward over preference pairs; and KTO's (:mod:`lorarl.algos.kto`), the same phases over unpaired rows.
 
 A step takes ``train.prompts_per_step`` = ``dpo.batch_size`` pairs; a micro-batch holds ``b`` pairs
 (``train.micro_batch_size``), i.e. ``R = 2b`` rows (each pair's chosen and rejected response behind its prompt), each
@@ -18,6 +18,11 @@ Prompt sharing between the two rows of a pair is left out, so the figures are an
   group's chunk of logits recomputed in backward (``g c V (dt + 8)``, the fused chunk) and one group's layer recomputed
   with its backward (``g T x`` per-layer bytes + a dequantized projection + the mask ``3 g T^2``).
 * ``optimizer``: as for GRPO.
+
+KTO: a step takes ``kto.batch_size`` rows, a micro-batch ``b`` rows of one completion each (``R = b``). Its no-grad
+phase scores the batch under the reference and the KL estimate's mismatched pairs under both the reference and the
+policy, ``b`` rows per forward; the policy's pass runs the LoRA, so ``reference`` counts one layer's forward with the
+adapter (its largest pass). ``training`` is DPO's on ``R = b`` rows.
 """
 
 from __future__ import annotations
@@ -32,13 +37,19 @@ if TYPE_CHECKING:
     from lorarl.plan.settings import Moments, PlanSettings, StepSizes
 
 
+ROWS_PER_EXAMPLE = {"dpo": 2, "kto": 1}  # a DPO pair is a chosen and a rejected row; a KTO row is one completion
+
+
 def dpo_rows(s: PlanSettings, z: StepSizes) -> tuple[int, int]:
-    """``(R, g)``: rows of a micro-batch (``2 x`` its pairs) and rows of one length-sorted forward at ``T`` tokens.
+    """``(R, g)``: rows of a micro-batch (``2 x`` its pairs; KTO: its rows) and rows of one length-sorted forward at
+    ``T`` tokens.
 
     >>> dpo_rows(PlanSettings(algo="dpo", max_tokens_per_forward=2048), z)  # b = 8 pairs, T = 512
     (16, 4)
+    >>> dpo_rows(PlanSettings(algo="kto", max_tokens_per_forward=2048), z)  # b = 8 rows
+    (8, 4)
     """
-    rows = 2 * z.micro_batch
+    rows = ROWS_PER_EXAMPLE[s.algo] * z.micro_batch
     if s.max_tokens_per_forward <= 0:
         return rows, rows
     return rows, min(rows, max(1, s.max_tokens_per_forward // z.seq_len))
@@ -54,7 +65,10 @@ def dpo_reference_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> M
     return {
         "layer": {
             "hidden_states": hidden,
-            "layer_forward": layer_forward_bytes(shape, z.dt, g * T, s.reference_adapter, z.dequantized),
+            # KTO's KL pass scores the policy (its LoRA) without gradients too
+            "layer_forward": layer_forward_bytes(
+                shape, z.dt, g * T, s.reference_adapter or s.algo == "kto", z.dequantized
+            ),
             "attention_mask": g * T * T,
         },
         "logits": {"hidden_states": hidden, "logits_chunk": scoring_logits_bytes(shape, g, z.chunk(g), z.dt)},

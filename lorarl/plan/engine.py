@@ -32,7 +32,7 @@ from lorarl.plan.terms import (
 )
 from lorarl.shapes import ModelShape
 
-NO_ROLLOUTS = ("dpo", "reward_model", "sft")  # steps that sample nothing (their evaluation may decode)
+NO_ROLLOUTS = ("dpo", "reward_model", "sft", "kto")  # steps that sample nothing (their evaluation may decode)
 
 if TYPE_CHECKING:
     from lorarl.plan.settings import Moments, PlanSettings, StepSizes

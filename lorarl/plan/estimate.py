@@ -17,6 +17,7 @@ from lorarl.plan.engine import fast_generation_moments, fast_persistent_terms
 from lorarl.plan.judge import judge_persistent_terms, judging_moments
 from lorarl.plan.settings import (
     PLANNED_ALGOS,
+    PREFERENCE_STEPS,
     Moment,
     Moments,
     PlanSettings,
@@ -55,7 +56,7 @@ def persistent_terms(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[s
         persistent["lora_critic_and_head"] = 4 * z.n_critic
         if s.reward_model:
             persistent["lora_reward_and_head_frozen"] = 4 * (z.n_policy + head_params(shape))
-    if s.reference_adapter and (s.kl_coef > 0 or (s.algo == "dpo" and s.dpo_reference)):
+    if s.reference_adapter and (s.kl_coef > 0 or (s.algo in PREFERENCE_STEPS and s.dpo_reference)):
         persistent["lora_reference_frozen"] = 4 * z.n_policy
     persistent["adam_states"] = 8 * (z.n_policy + z.n_critic)
     persistent["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if s.device == "cuda" else 0
@@ -226,11 +227,11 @@ def peak_moment(moments: Moments) -> tuple[str, Moment]:
 
 def phase_moments(shape: ModelShape, s: PlanSettings, z: StepSizes) -> dict[str, Moments]:
     """Every phase's moments in the order a step runs them (``critic_training`` for PPO only; DPO:
-    ``reference``, ``training``, ``optimizer``, :mod:`lorarl.plan.dpo`; the reward model and SFT: ``training``,
+    ``reference``, ``training``, ``optimizer``, :mod:`lorarl.plan.dpo`, and KTO the same; the reward model and SFT: ``training``,
     ``optimizer``, :mod:`lorarl.plan.supervised`)."""
     if s.algo in SUPERVISED:
         return {"training": supervised_training_moments(shape, s, z), "optimizer": optimizer_moments(z)}
-    if s.algo == "dpo":
+    if s.algo in PREFERENCE_STEPS:
         from lorarl.plan.dpo import dpo_reference_moments, dpo_training_moments
 
         return {

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config import GRPOConfig, GRPOKLConfig, PPOConfig
-from lorarl.config.algorithms import DPOConfig, RewardModelConfig, SFTConfig
+from lorarl.config.algorithms import DPOConfig, KTOConfig, RewardModelConfig, SFTConfig
 from lorarl.errors import LorarlError
 from lorarl.plan.choice import largest_fitting_generation_batch, largest_fitting_micro_batch, pick_micro_batch
 from lorarl.plan.distill import distill_settings
@@ -158,7 +158,7 @@ def _written_settings(recipe, device_type: str, shape: ModelShape | None, budget
     if recipe.algo == "rloo":
         grpo = rloo_as_grpo(recipe.rloo)
     ppo = recipe.ppo if recipe.ppo is not None else PPOConfig()
-    if algo == "dpo":
+    if algo in ("dpo", "kto"):
         return dpo_settings(recipe, device_type, quant, dtype_bytes)
     if algo in ("reward_model", "sft"):
         return supervised_settings(recipe, device_type, quant, dtype_bytes)
@@ -214,18 +214,24 @@ def dpo_settings(recipe, device_type: str, quant: str, dtype_bytes: int) -> Plan
     """A DPO recipe (:mod:`lorarl.plan.dpo`): ``dpo.batch_size`` pairs per step, ``train.micro_batch_size`` pairs
     per micro-batch, rows of ``dpo.max_length`` tokens (the longest pair kept) split into a prompt of
     ``min(data.max_prompt_tokens, max_length // 2)`` tokens and the response; the held-out task evaluation
-    (``dpo.task_source``) decodes ``eval.max_new_tokens`` (else ``generation.max_new_tokens``)."""
-    d = recipe.dpo if recipe.dpo is not None else DPOConfig()
+    (``dpo.task_source``) decodes ``eval.max_new_tokens`` (else ``generation.max_new_tokens``). A KTO recipe the same
+    from its ``kto`` section, counting rows (one completion each) instead of pairs; its reference pass always runs."""
+    if recipe.algo == "kto":
+        section = recipe.kto if recipe.kto is not None else KTOConfig()
+        reference = True
+    else:
+        section = recipe.dpo if recipe.dpo is not None else DPOConfig()
+        reference = section.needs_reference
     return _fixed_length_settings(
         recipe,
         device_type,
         quant,
         dtype_bytes,
-        section=d,
-        evaluates=d.task_source is not None and recipe.eval.every > 0,
+        section=section,
+        evaluates=section.task_source is not None and recipe.eval.every > 0,
         reference_adapter=bool(recipe.model.init_adapter),
-        max_tokens_per_forward=d.max_tokens_per_forward,
-        dpo_reference=d.needs_reference,
+        max_tokens_per_forward=section.max_tokens_per_forward,
+        dpo_reference=reference,
     )
 
 
@@ -349,6 +355,7 @@ def format_plan(result: dict[str, Any]) -> str:
         f"  micro-batch: {result['micro_batch_size']} as written, {result['picked_micro_batch_size']} picked; "
         + {
             "dpo": "DPO: micro-batches count pairs, no generation",
+            "kto": "KTO: micro-batches count rows (one completion each), no generation",
             "reward_model": "reward model: micro-batches count pairs, no generation",
             "sft": "SFT: micro-batches count examples, no generation",
         }.get(
@@ -379,7 +386,7 @@ def decode_engine_line(result: dict[str, Any]) -> str:
     if s.get("engine") != "fast":
         return "  decode engine: hf (transformers' generate; its KV cache grows during generation)"
     persistent = result["breakdown_gb"]["persistent"]
-    if s.get("algo") in ("dpo", "reward_model", "sft"):
+    if s.get("algo") in ("dpo", "reward_model", "sft", "kto"):
         ev = persistent.get("eval_static_kv_cache")
         if ev is None:
             return "  decode engine: fast (this step samples nothing; only a held-out task evaluation decodes)"

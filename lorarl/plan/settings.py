@@ -18,7 +18,8 @@ from lorarl.plan.terms import (
 )
 from lorarl.shapes import ModelShape
 
-PLANNED_ALGOS = ("grpo", "ppo", "dpo", "reward_model", "sft", "distill")  # the steps the planner models
+PLANNED_ALGOS = ("grpo", "ppo", "dpo", "reward_model", "sft", "distill", "kto")  # the steps the planner models
+PREFERENCE_STEPS = ("dpo", "kto")  # a no-grad reference pass, then the policy's forward + backward (lorarl.plan.dpo)
 Moment = dict[str, float]  # the terms alive at the same time, by name
 Moments = dict[str, Moment]  # a phase's moments, by name
 
@@ -27,8 +28,8 @@ Moments = dict[str, Moment]  # a phase's moments, by name
 class PlanSettings:
     """What one step looks like (the recipe numbers the planner reads)."""
 
-    # grpo | ppo | dpo | reward_model | sft (lorarl.plan.dpo, lorarl.plan.supervised: for dpo and reward_model
-    # prompts_per_step / micro_batch_size count pairs, for sft examples)
+    # grpo | ppo | dpo | reward_model | sft | kto (lorarl.plan.dpo, lorarl.plan.supervised: for dpo and
+    # reward_model prompts_per_step / micro_batch_size count pairs, for sft examples, for kto rows)
     algo: str = "grpo"
     quantization: str = "nf4"  # nf4 | none
     double_quant: bool = True
@@ -67,8 +68,9 @@ class PlanSettings:
     # CUDA graphs its decode state is kept beside the training one (lorarl.plan.engine)
     eval_batch_size: int = 0
     eval_max_new_tokens: int | None = None
-    # dpo / reward_model: padded tokens per length-sorted forward (dpo. / reward_model.max_tokens_per_forward; 0: one
-    # forward per micro-batch), and whether a reference pass runs (dpo: when a loss reads it, not simpo / sft)
+    # dpo / reward_model / kto: padded tokens per length-sorted forward (<algo>.max_tokens_per_forward; 0: one
+    # forward per micro-batch), and whether a reference pass runs (dpo: when a loss reads it, not simpo / sft; kto:
+    # always)
     max_tokens_per_forward: int = 0
     dpo_reference: bool = True
     judge: str = "none"  # an LLM-judge reward (lorarl.plan.judge): none | base | adapter | folder
@@ -93,7 +95,7 @@ class PlanSettings:
     def split_rows(self) -> int:
         """The rows micro-batches split: the whole step for GRPO, a minibatch for PPO, the step's pairs for DPO and
         the reward model, its examples for SFT."""
-        if self.algo in ("dpo", "reward_model", "sft"):
+        if self.algo in ("dpo", "reward_model", "sft", "kto"):
             return self.prompts_per_step
         return self.rows if self.algo == "grpo" else min(self.rows, self.minibatch_size or self.rows)
 

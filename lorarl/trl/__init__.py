@@ -1,24 +1,38 @@
 """TRL's trainers as a drop-in: ``from lorarl.trl import GRPOTrainer, RLOOTrainer, DPOTrainer, SFTTrainer,
-RewardTrainer, DistillationTrainer`` (and their configs, TRL's own classes: ``from lorarl.trl import RLOOConfig`` is
-``trl.RLOOConfig``; TRL's quick starts import both from one place).
+RewardTrainer, KTOTrainer, DistillationTrainer`` (and their configs, TRL's own classes: ``from lorarl.trl import
+RLOOConfig`` is ``trl.RLOOConfig``; TRL's quick starts import both from one place).
 
 Each takes TRL 1.16's constructor arguments, its own ``GRPOConfig`` / ``RLOOConfig`` / ``DPOConfig`` / ``SFTConfig`` /
-``RewardConfig`` / ``DistillationConfig`` and ``peft.LoraConfig`` as they are; every config field is mapped to a
-recipe key, noted (no effect here) or refused with one line (:mod:`lorarl.trl.fields`); training runs
-:func:`lorarl.train` (docs/trl_dropin.md).
+``RewardConfig`` / ``KTOConfig`` / ``DistillationConfig`` and ``peft.LoraConfig`` as they are; every config field is
+mapped to a recipe key, noted (no effect here) or refused with one line (:mod:`lorarl.trl.fields`); training runs
+:func:`lorarl.train` (docs/trl_dropin.md). ``lorarl.trl.KTOConfig`` is TRL's, with an unset ``bf16`` that follows
+the machine (:mod:`lorarl.trl.configs`).
 """
 
 from lorarl.trl.distillation import DistillationTrainer
-from lorarl.trl.trainers import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
+from lorarl.trl.trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-# TRL's, imported when first named
-CONFIGS = ("GRPOConfig", "RLOOConfig", "DPOConfig", "SFTConfig", "RewardConfig", "DistillationConfig")
+# TRL's, imported when first named (importing TRL takes seconds)
+CONFIGS = ("GRPOConfig", "RLOOConfig", "DPOConfig", "SFTConfig", "RewardConfig", "KTOConfig", "DistillationConfig")
 
-__all__ = ["GRPOTrainer", "RLOOTrainer", "DPOTrainer", "SFTTrainer", "RewardTrainer", "DistillationTrainer", *CONFIGS]
+__all__ = [
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "DPOTrainer",
+    "SFTTrainer",
+    "RewardTrainer",
+    "KTOTrainer",
+    "DistillationTrainer",
+    *CONFIGS,
+]
 
 
 def __getattr__(name: str):
-    """TRL's config classes, imported from ``trl`` when first asked for (importing TRL takes seconds)."""
+    """TRL's config classes, imported when first asked for (``KTOConfig``: :mod:`lorarl.trl.configs`'s)."""
+    if name == "KTOConfig":
+        from lorarl.trl.configs import KTOConfig
+
+        return KTOConfig
     if name in CONFIGS:
         import trl
 

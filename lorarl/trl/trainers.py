@@ -475,11 +475,9 @@ class RLOOTrainer(GRPOTrainer):
         )
 
 
-class DPOTrainer(_Trainer):
-    """TRL's ``DPOTrainer`` (1.16's signature) on lorarl: the reference is the base with adapters off (``ref_model``
-    None or the same model as ``model``)."""
-
-    config_name, algo, suffix = "DPOConfig", "dpo", "DPO"
+class _ReferenceTrainer(_Trainer):
+    """TRL 1.16's ``DPOTrainer`` / ``KTOTrainer`` signature (the same for both): the reference is the base with
+    adapters off (``ref_model`` None or the same model as ``model``)."""
 
     def __init__(
         # TRL 1.16's own constructor signature, argument for argument: a drop-in must take TRL's keywords in TRL's
@@ -508,10 +506,24 @@ class DPOTrainer(_Trainer):
                 refuse(
                     "ref_model",
                     ref,
-                    "lorarl's DPO reference is the policy's own base with adapters off (one base in memory); a "
-                    "different reference model is not supported",
+                    f"lorarl's {self.suffix} reference is the policy's own base with adapters off (one base in "
+                    "memory); a different reference model is not supported",
                 )
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config)
+
+
+class DPOTrainer(_ReferenceTrainer):
+    """TRL's ``DPOTrainer`` (1.16's signature) on lorarl: the reference is the base with adapters off (``ref_model``
+    None or the same model as ``model``)."""
+
+    config_name, algo, suffix = "DPOConfig", "dpo", "DPO"
+
+
+class KTOTrainer(_ReferenceTrainer):
+    """TRL's ``KTOTrainer`` (1.16's signature) on lorarl: unpaired rows (``prompt``, ``completion``, ``label``) or
+    preference pairs, unpaired as TRL does; the reference is the base with adapters off."""
+
+    config_name, algo, suffix = "KTOConfig", "kto", "KTO"
 
 
 class _SupervisedTrainer(_Trainer):
