@@ -4,13 +4,14 @@ prompts, the completion-only loss (by hand, micro-batch invariant), a tiny run t
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from test_grpo import peaky_model_dir  # noqa: F401  (the tiny model with x10 embeddings: learnable logits)
 
 from lorarl.algos.loop import train
-from lorarl.algos.sft import SFT, completion_nll, example_batch
+from lorarl.algos.sft import SFT, completion_dft, completion_nll, example_batch
 from lorarl.cli import main
 from lorarl.config import DataConfig, ModelConfig, recipe_from_dict
 from lorarl.data import load_prompts
@@ -151,6 +152,59 @@ def test_completion_nll_by_hand():
     assert float(completion_nll(lp[:1], mask[:1], 3) + completion_nll(lp[1:], mask[1:], 3)) == pytest.approx(2.0)
 
 
+def test_completion_dft_by_hand():
+    lp = torch.tensor([[-1.0, -2.0], [-3.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    loss = completion_dft(lp, mask, 3)
+    e = math.exp
+    assert float(loss) == pytest.approx((e(-1) + 2 * e(-2) + 3 * e(-3)) / 3)  # 0.262637
+    loss.backward()  # d/dlogp = -p m / N: the probability is held constant (stop-gradient)
+    want = [[-e(-1) / 3, -e(-2) / 3], [-e(-3) / 3, 0.0]]
+    assert torch.allclose(lp.grad, torch.tensor(want))
+
+
+def test_completion_dft_equals_trls_sft_compute_loss():
+    """TRL 1.16's ``SFTTrainer.compute_loss`` with ``loss_type="dft"``, run on a stub trainer whose model returns
+    given per-token log-probs (its fused-LM-head outputs: zero on ignored positions): the same loss and gradient."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    logp = -torch.rand(3, 7) * 4
+    mask = torch.rand(3, 7) > 0.3
+    ours_in, trl_in = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    ours = completion_dft(ours_in, mask, int(mask.sum()))
+    ours.backward()
+
+    def model(**inputs):
+        assert inputs["fused_lm_head"] is True
+        zeros = torch.zeros(3, 7)
+        return SimpleNamespace(log_probs=trl_in * mask, label_mask=mask, entropy=zeros, is_top1=zeros.bool())
+
+    stub = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        aux_loss_enabled=False,
+        accelerator=SimpleNamespace(parallelism_config=None, gather_for_metrics=lambda t: t),
+        compute_loss_func=None,
+        label_smoother=None,
+        args=SimpleNamespace(loss_type="dft", average_tokens_across_devices=False),
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    theirs = SFTTrainer.compute_loss(stub, model, {"input_ids": torch.zeros(3, 7), "attention_mask": torch.ones(3, 7)})
+    theirs.backward()
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    assert torch.allclose(ours_in.grad, trl_in.grad, atol=1e-7)
+    stub.args.loss_type = "nll"  # and TRL's nll is completion_nll
+    theirs_nll = SFTTrainer.compute_loss(
+        stub, model, {"input_ids": torch.zeros(3, 7), "attention_mask": torch.ones(3, 7)}
+    )
+    assert float(completion_nll(logp, mask, int(mask.sum()))) == pytest.approx(float(theirs_nll), rel=1e-6)
+
+
 def sft_recipe(model_dir, **sections):
     data = {
         "algo": "sft",
@@ -195,6 +249,26 @@ def test_loss_only_on_completion_tokens_and_micro_batches_do_not_change_the_grad
             assert row["completion_tokens"] == int(b.completion_mask.sum())
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_dft_step_logs_the_dft_loss_of_the_policys_own_logits(tiny_model_dir):
+    """sft.loss_type dft: the logged loss is -(1/N) sum m sg(p) log p from the model's full logits, no perplexity."""
+    shared = SharedBase.load(ModelConfig(name=str(tiny_model_dir), quantization="none", dtype="float32"))
+    torch.manual_seed(0)
+    algo = SFT(sft_recipe(tiny_model_dir, sft={"loss_type": "dft"}), shared)
+    b = example_batch(algo.data, algo.batch(1).rows, shared.pad_id)
+    ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
+    att = torch.cat([b.prompt_mask, b.completion_mask], 1).long()
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), shared.role("policy"):  # before the step: the loss is the step's starting point
+        logits = shared.module(input_ids=ids, attention_mask=att, position_ids=pos).logits.float()
+    P = b.prompt_ids.shape[1]
+    lp = torch.log_softmax(logits[:, P - 1 : -1], -1).gather(-1, b.completion_ids[..., None])[..., 0]
+    want = -(lp * lp.exp() * b.completion_mask).sum() / b.completion_mask.sum()
+    row = algo.step(algo.batch(1))
+    assert row["loss"] == pytest.approx(float(want), rel=1e-4) and row["perplexity"] is None
+    nll = -(lp * b.completion_mask).sum() / b.completion_mask.sum()
+    assert float(want) < float(nll)  # each token's NLL weighted by its probability (< 1)
 
 
 def test_tiny_sft_learns_resumes_bit_identically_and_exports(peaky_model_dir, tmp_path):  # noqa: F811

@@ -408,6 +408,17 @@ def test_dpo_sft_reward_fields_land_in_the_recipe(tiny_model_dir, tmp_path):
     args.max_length = 300
     r = load_recipe(SFTTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["sft"]).recipe)
     assert r.algo == "sft" and r.sft.max_length == 300 and r.train.learning_rate == 2e-5
+    assert r.sft.loss_type == "nll"
+    args.loss_type = "dft"  # Dynamic Fine-Tuning: sft.loss_type
+    assert (
+        load_recipe(SFTTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["sft"]).recipe).sft.loss_type
+        == "dft"
+    )
+    args.loss_type = "chunked_nll"  # in SFTConfig's choices; TRL's SFTTrainer refuses it too
+    with pytest.raises(
+        LorarlError, match=r"SFTConfig.loss_type='chunked_nll': TRL 1.16's SFTTrainer trains loss types nll and dft"
+    ):
+        SFTTrainer(str(tiny_model_dir), args=args, train_dataset=DATASETS["sft"])
 
 
 def _dpo(tiny_model_dir, tmp_path, **kw):

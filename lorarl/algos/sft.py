@@ -6,6 +6,9 @@ completion token of the batch (TRL's ``SFTTrainer`` with ``completion_only_loss`
 
     loss = -(1 / N_tok) * sum_i sum_t m_it * log p(y_it | x_i, y_i,<t)
 
+or, with ``sft.loss_type: dft`` (TRL's ``loss_type="dft"``), each token's NLL weighted by its own probability,
+held constant (:func:`completion_dft`).
+
 Examples are rendered exactly as RL prompts are (:mod:`lorarl.data.sft`): the chat template with the generation
 prompt, then the completion and the end-of-turn EOS a rollout ends with. A language-modeling row (``text``, TRL's
 standard format) is its first token as the "prompt" and every later token as the completion: all trained, as TRL.
@@ -117,6 +120,21 @@ def completion_nll(logprobs: Tensor, mask: Tensor, total_tokens: int) -> Tensor:
     return -(logprobs * mask).sum() / total_tokens
 
 
+def completion_dft(logprobs: Tensor, mask: Tensor, total_tokens: int) -> Tensor:
+    """A micro-batch's share of the batch's token-mean DFT loss (Dynamic Fine-Tuning, Wu et al. 2025,
+    arXiv:2508.05629; TRL's SFT ``loss_type="dft"``): ``-sum_{b,t} m_bt * sg(p_bt) * logp_bt / total_tokens`` with
+    ``p = exp(logp)`` and ``sg`` stop-gradient, so a token's gradient is its NLL's scaled by its probability (the
+    paper's fix of SFT's implicit ``1 / p`` reward weighting).
+
+    Shapes as :func:`completion_nll`. Example: logp ``[[-1, -2], [-3, 0]]``, mask ``[[1, 1], [1, 0]]``, 3 tokens ->
+    ``(e^-1 + 2 e^-2 + 3 e^-3) / 3 = 0.262637``.
+    """
+    return -(logprobs * logprobs.detach().exp() * mask).sum() / total_tokens
+
+
+SFT_LOSSES = {"nll": completion_nll, "dft": completion_dft}  # sft.loss_type -> the token loss
+
+
 def common_prefix(prompts: list[list[int]]) -> int:
     """The length of the longest token prefix every prompt of ``prompts`` starts with (at most the shortest prompt).
 
@@ -173,24 +191,25 @@ def shared_prefix_batch(data: SFTSet, rows: list[int], pad_id: int) -> tuple[Exa
     return ExampleBatch(p_ids, torch.ones_like(p_ids, dtype=torch.bool), c_ids, c_mask.bool(), [0] * len(rows)), mask
 
 
-def packed_sft_loss(shared: SharedBase, packs: Packs, total_tokens: int, rows: list[int]):
-    """Step 2 with ``sft.packing``: the NLL share of packed rows ``rows`` -> ``(loss, {})``. Each example attends
-    only to itself (:func:`lorarl.model.logprobs.packed_logprobs`); the targets are the tokens its unpacked row
-    trains (:func:`lorarl.data.packing.pack_targets`), so the batch's loss is the same token mean."""
+def packed_sft_loss(shared: SharedBase, packs: Packs, total_tokens: int, rows: list[int], loss_type: str = "nll"):
+    """Step 2 with ``sft.packing``: the loss share (``SFT_LOSSES[loss_type]``) of packed rows ``rows`` ->
+    ``(loss, {})``. Each example attends only to itself (:func:`lorarl.model.logprobs.packed_logprobs`); the targets
+    are the tokens its unpacked row trains (:func:`lorarl.data.packing.pack_targets`), so the batch's loss is the same
+    token mean."""
     ids, pos, targets = pack_batch(packs, rows, shared.pad_id)  # [R, L], [R, L], [R, L - 1]
     with shared.role(POLICY, train=True, dropout=True):
         logprobs = packed_logprobs(shared, ids, pos)  # [R, L - 1]
-    return completion_nll(logprobs, targets.to(shared.device), total_tokens), {}
+    return SFT_LOSSES[loss_type](logprobs, targets.to(shared.device), total_tokens), {}
 
 
-def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int]):
-    """Step 2: the NLL share of micro-batch ``rows`` under the policy -> ``(loss, {})`` (the loss is the metric).
-    The rows' common prompt prefix runs once (:func:`shared_prefix_batch`)."""
+def sft_loss(shared: SharedBase, data: SFTSet, total_tokens: int, rows: list[int], loss_type: str = "nll"):
+    """Step 2: the loss share (``SFT_LOSSES[loss_type]``) of micro-batch ``rows`` under the policy -> ``(loss, {})``
+    (the loss is the metric). The rows' common prompt prefix runs once (:func:`shared_prefix_batch`)."""
     mb, mask = shared_prefix_batch(data, rows, shared.pad_id)
     mask = mask.to(shared.device)  # [B, T]
     with shared.role(POLICY, train=True, dropout=True):
         logprobs, _ = completion_logprobs(shared, mb, temperature=1.0)  # [B, T]
-    return completion_nll(logprobs, mask, total_tokens), {}
+    return SFT_LOSSES[loss_type](logprobs, mask, total_tokens), {}
 
 
 class SFT(GuardState):
@@ -231,6 +250,7 @@ class SFT(GuardState):
         # with packing a step's units are packed rows of examples (TRL's batch), else examples
         self.packs = pack_sft(self.data, cfg.max_length, cfg.packing_strategy) if cfg.packing else None
         self.step_loss = self.packed_rows_loss if cfg.packing else self.examples_loss
+        self.loss_type = cfg.loss_type
         n, B = self.units(), cfg.batch_size
         self.total_steps = min(tcfg.steps, math.ceil(cfg.epochs * n / B))  # batches run on across epochs
         self.last_step = self.total_steps  # the loop lowers it for --max-steps
@@ -243,12 +263,13 @@ class SFT(GuardState):
         """``(loss tokens, tokens run, micro-batch loss)`` of a batch of examples ``rows``."""
         total = loss_tokens(self.data, rows)
         tokens = total + sum(len(self.data.prompt_ids[i]) for i in rows)
-        return total, tokens, functools.partial(sft_loss, self.shared, self.data, total)
+        return total, tokens, functools.partial(sft_loss, self.shared, self.data, total, loss_type=self.loss_type)
 
     def packed_rows_loss(self, rows: list[int]):
         """``(loss tokens, tokens run, micro-batch loss)`` of a batch of packed rows ``rows`` (``sft.packing``)."""
         total = self.packs.targets(rows)
-        return total, self.packs.tokens(rows), functools.partial(packed_sft_loss, self.shared, self.packs, total)
+        loss = functools.partial(packed_sft_loss, self.shared, self.packs, total, loss_type=self.loss_type)
+        return total, self.packs.tokens(rows), loss
 
     def units(self) -> int:
         """What a step's batch counts: packed rows with ``sft.packing``, else examples."""
@@ -285,7 +306,10 @@ class SFT(GuardState):
         # 3. Metrics ------------------------------------------------------------------------------------------------
         return {
             "loss": result.loss,
-            "perplexity": math.exp(min(result.loss, 50.0)) if math.isfinite(result.loss) else None,
+            # exp(token-mean NLL); DFT's loss is no NLL, so no perplexity
+            "perplexity": math.exp(min(result.loss, 50.0))
+            if math.isfinite(result.loss) and self.loss_type == "nll"
+            else None,
             "grad_norm": result.grad_norm,
             "learning_rate": result.lr,
             "epoch": (step - 1) * self.recipe.sft.batch_size / self.units(),

@@ -311,6 +311,9 @@ class SFTConfig:
     # bfd: best-fit decreasing, whole examples; bfd_split: longer examples cut into max_length pieces first;
     # wrapped: one stream cut every max_length tokens, attending across examples (as TRL's; lorarl.data.packing)
     packing_strategy: PackingStrategy = "bfd"
+    # nll: the token-mean NLL of the completion tokens (TRL's default); dft: Dynamic Fine-Tuning (Wu et al. 2025), each
+    # token's NLL weighted by its probability held constant (TRL's loss_type "dft"; lorarl.algos.sft.completion_dft)
+    loss_type: Literal["nll", "dft"] = "nll"
 
     def validate(self, where: str) -> None:
         check(self.epochs >= 1, where, "sft.epochs", "must be >= 1")

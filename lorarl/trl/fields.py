@@ -724,6 +724,13 @@ DPO_OWN: dict[str, Map | Note | Refuse] = {
     "ref_model_sync_steps": Note("read with sync_ref_model only"),
 }
 
+
+def _sft_loss(value: str, ctx: dict) -> dict:
+    if value not in ("nll", "dft"):  # TRL's SFTTrainer refuses the config's third choice, chunked_nll, too
+        refuse(f"{ctx['cls']}.loss_type", value, "TRL 1.16's SFTTrainer trains loss types nll and dft")
+    return {"sft.loss_type": value}
+
+
 SFT_OWN: dict[str, Map | Note | Refuse] = {
     "dataset_text_field": Map(
         "data.columns.text",
@@ -755,7 +762,7 @@ SFT_OWN: dict[str, Map | Note | Refuse] = {
     "assistant_only_loss": Note(
         "messages rows train the LAST assistant message only (TRL trains every token unless assistant_only_loss)"
     ),
-    "loss_type": Refuse("lorarl's SFT loss is the token NLL (nll)"),
+    "loss_type": Map("sft.loss_type", "nll or dft (Dynamic Fine-Tuning), as TRL's SFTTrainer", _sft_loss),
 }
 
 # ---- KTOConfig -----------------------------------------------------------------------------------------------------
