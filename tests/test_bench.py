@@ -86,6 +86,10 @@ def test_separate_models_run_each_role_on_its_own_copy(tiny_model_dir):
     assert tensor_bytes(sep.bases) > 3 * one  # three copies of the weights (+ two adapters and a head)
 
 
+# grpo-vs-trl end to end on the tiny model (both engines' worker processes, every figure a number, lorarl's side the
+# real run loop): tests/test_bench_gpu.py's smoke runs it as its grpo-vs-trl part and checks it there.
+
+
 def test_ppo_memory_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LORARL_BENCH_THREADS", "1")  # a shared 2-core machine: no thread oversubscription
     res = run_bench("ppo-memory", model=str(tiny_model_dir), out=str(tmp_path), ppo_prompts=4, ppo_max_new_tokens=4)
@@ -101,20 +105,7 @@ def test_ppo_memory_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
     for key in ("completions/mean_length", "reward", "loss/policy_avg", "loss/value_avg"):
         assert shared[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
     assert separate["model_tensors_gb"] > 3 * shared["model_tensors_gb"]
-    assert (tmp_path / "result.json").is_file()
-
-
-def test_grpo_vs_trl_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LORARL_BENCH_THREADS", "1")
-    res = run_bench("grpo-vs-trl", steps=1, model=str(tiny_model_dir), out=str(tmp_path))
-    assert _is_number(res["time_ratio"]) and _is_number(res["memory_ratio"])
-    for engine in ("lorarl", "trl"):
-        e = res["engines"][engine]
-        for key in ("median_s_per_step", "completion_tokens_per_s", "peak_memory_gb", "median_cpu_s_per_step"):
-            assert _is_number(e[key]), (engine, key)
-        assert e["steps"] == 1 and e["threads"] == 1
-    assert (tmp_path / "lorarl" / "lorarl-run" / "metrics.jsonl").is_file()  # lorarl's side is the real run loop
-    assert res["machine"]["cpus"] >= 1
+    assert (tmp_path / "result.json").is_file() and res["machine"]["cpus"] >= 1
 
 
 class FakeCuda:

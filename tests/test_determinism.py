@@ -147,6 +147,16 @@ def test_deterministic_setting_turns_on_torchs_deterministic_algorithms(tiny_mod
 
 # ---- the real model: the quickstart recipe, 3 steps, a checkpoint every step --------------------------------
 
+# A dense second reward beside the quickstart's numeric_match: the base model rarely answers right at temperature 1,
+# so with the rule reward alone most groups have no reward spread and most steps train no row (at seed 7 with 4
+# prompts a step, steps 2 and 3 trained none: their resumes compared an untouched adapter). Completions differ in
+# their token ids, so every group has spread and every step trains (checked below).
+ODD_TOKENS = '''
+def odd_tokens(prompts, completions, completion_ids, **kwargs):
+    """Fraction of odd token ids of the completion."""
+    return [sum(t % 2 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+'''
+
 
 def _train(out: Path, *extra: str, fault: str | None = None, wait: bool = True) -> subprocess.Popen:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -155,11 +165,15 @@ def _train(out: Path, *extra: str, fault: str | None = None, wait: bool = True) 
     env["LORARL_THREADS"] = "2"  # the race needed two threads: test with them on any machine
     if fault:
         env["LORARL_FAULT"] = fault
+    reward = out.parent / "determinism_rewards.py"
+    if not reward.exists():
+        reward.write_text(ODD_TOKENS)
     cmd = [sys.executable, "-m", "lorarl.cli", "train", str(ROOT / "recipes" / "grpo_arithmetic.yaml")]
     cmd += ["--out", str(out), "--max-steps", "3", "--save-every", "1", "--seed", "7", *extra]
-    # half the recipe's 8 prompts per step (groups of 8 kept, so a prompt's rows still fall on both threads): the
-    # test's 5 processes run ~10 steps, the suite's longest test
-    cmd += ["train.prompts_per_step=4"]
+    # 1 of the recipe's 8 prompts per step: its group of 8 rows (kept) still falls on both threads, whose order of
+    # adding the rows of one prompt was the race (test_prefix_shared_backward_... above takes uneven prompts)
+    cmd += ["train.prompts_per_step=1"]
+    cmd += [f"reward.functions=[{{name: numeric_match}}, {{name: '{reward}:odd_tokens', weight: 0.1}}]"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if wait:
         _, err = proc.communicate(timeout=900)
@@ -183,38 +197,39 @@ def _differences(a: dict, b: dict) -> list[str]:
     return [f"{k}: {(a[k].float() - b[k].float()).abs().max().item():.3g}" for k in a if not torch.equal(a[k], b[k])]
 
 
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_quickstart_runs_and_resumes_are_bit_identical_on_the_real_model(tmp_path, default_model_dir):
-    # One uninterrupted run; each killed run below redoes its first steps in a new process from the same seed, so
-    # ending equal to it shows run-to-run reproducibility as well as the resume (a second uninterrupted run would
-    # add nothing the killed runs do not already check).
-    runs = {}
+    # One uninterrupted run, then one run killed twice and resumed twice: SIGKILL while step 2's checkpoint is
+    # being written, --resume (from step 1's checkpoint), SIGKILL between checkpoints (inside step 3), --resume
+    # (from step 2's, which the first resumed process wrote). Each process redoes steps from the same seed, so
+    # ending equal to the uninterrupted run shows run-to-run reproducibility as well as both resumes (a second
+    # uninterrupted run would add nothing the killed runs do not already check).
     proc = _train(tmp_path / "a")
     assert proc.returncode == 0, proc.stderr_text[-3000:]
-    runs["a"] = _final_state(tmp_path / "a")
-    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in runs["a"].items())  # it trained
+    want = _final_state(tmp_path / "a")
+    first = _metrics(tmp_path / "a")
+    assert [r["step"] for r in first] == [1, 2, 3] and all(r["trained_rows"] > 0 for r in first), first
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in want.items())  # it trained
 
-    # SIGKILL while step 2's checkpoint is being written (its adapters half written), then --resume
-    out = tmp_path / "killed_in_write"
+    # SIGKILL while step 2's checkpoint is being written (its adapters half written), then --resume ...
+    out = tmp_path / "killed"
     assert _train(out, fault="save:2:adapters").returncode == -signal.SIGKILL
-    resumed = _train(out, "--resume")
-    assert resumed.returncode == 0, resumed.stderr_text[-3000:]
-    assert _differences(_final_state(out), runs["a"]) == []
-
-    # SIGKILL between checkpoints (inside step 3), then --resume
-    out = tmp_path / "killed_between"
-    proc = _train(out, wait=False)
+    proc = _train(out, "--resume", wait=False)
+    # ... which is killed between checkpoints (inside step 3), then --resume again
     deadline = time.time() + 600
     while not (out / "checkpoints" / "step-000002" / "COMPLETE").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its second checkpoint"
+        assert proc.poll() is None and time.time() < deadline, "resumed run ended before its step-2 checkpoint"
         time.sleep(0.05)
-    time.sleep(1.0)
+    time.sleep(0.5)  # inside step 3
     proc.kill()
     proc.wait()
     assert not (out / "policy").exists()
     resumed = _train(out, "--resume")
     assert resumed.returncode == 0, resumed.stderr_text[-3000:]
-    assert _differences(_final_state(out), runs["a"]) == []
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert _differences(_final_state(out), want) == []
+    rows = _metrics(out)
     assert [r.get("grad_norm") for r in rows] == [r.get("grad_norm") for r in first]  # every logged figure too

@@ -36,6 +36,29 @@ MESSAGES = [
 TOLERANCE = {"f16": 0.01, "q8_0": 0.08}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def gguf_parsed_once():
+    """Each GGUF file is parsed once in this module. gguf's reader walks the 49,152-token vocabulary and its merges
+    value by value (seconds a parse), transformers' GGUF loader parses the file twice per load (config, then
+    weights), and the gate and the checks below load each file several times. The reader only reads (a numpy memmap
+    opened "r"), so one parse of an unchanged file serves every load; the file is known by its inode, size and
+    modification time (an export's gate reads it in the export's temporary folder, which is then renamed)."""
+    import gguf
+
+    real, parsed = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, mode)
+        if key not in parsed:
+            parsed[key] = real(path, mode)
+        return parsed[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        yield parsed
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
     return make_run(tmp_path_factory.mktemp("gguf-run") / "run", tiny_model_dir)
