@@ -120,7 +120,8 @@ def test_sft_on_traces_trains_on_the_assistant_turns_only(tiny_model_dir, monkey
         assert len(c) == len(m) and m[0] and m[-1] and not all(m)  # call ... tool message (False) ... answer
     seen = []
     real = sft_mod.completion_nll
-    monkeypatch.setattr(sft_mod, "completion_nll", lambda lp, mask, n: seen.append((mask, n)) or real(lp, mask, n))
+    spy = lambda lp, mask, n: seen.append((mask, n)) or real(lp, mask, n)  # noqa: E731
+    monkeypatch.setitem(sft_mod.SFT_LOSSES, "nll", spy)  # the loss sft.loss_type nll (the default) calls
     batch = algo.batch(1)
     metrics = algo.step(batch)
     assert metrics["completion_tokens"] == sum(sum(data.loss_masks[i]) for i in batch.rows)
