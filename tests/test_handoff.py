@@ -426,3 +426,17 @@ def test_openrlhf_user_reward_reads_every_column(tmp_path, tiny_model_dir):
     spec.loader.exec_module(mod)
     got = mod.reward_func(["p" + f"= {row['answer']}"], ["p"], [row["lorarl_columns"]])
     assert got["rewards"].tolist() == pytest.approx([1.0 + row["b"] / 100])
+
+
+def test_inlined_constants_follow_every_name_an_assignment_binds():
+    """reward.py's inliner (lorarl.export.rewards_file): `A, B = ...` binds A and B (answers.py's tags: the exported
+    file raised NameError in every built-in reward when only `A = ...` was followed); `D[k] = v` binds nothing."""
+    import ast
+
+    from lorarl.export.rewards_file import _bound_names
+
+    def names(src):
+        return _bound_names(ast.parse(src).body[0].targets[0])
+
+    assert names("A = 1") == ["A"] and names("A, (B, *C) = x") == ["A", "B", "C"] and names("[D, E] = x") == ["D", "E"]
+    assert names("D[k] = v") == [] and names("obj.attr = v") == []

@@ -323,6 +323,11 @@ def test_kto_retrain_from_one_vote_of_each_kind(tmp_path):
     runs = tmp_path / "runs"
     votes = runs / "preferences.jsonl"
     recipes = [REPO / "recipes"]
+    runs.mkdir()  # a single-answer row that cannot be used is counted, not "no votes yet"
+    (runs / "preferences_unpaired.jsonl").write_text(json.dumps({"prompt": "x", "completion": "y"}) + "\n")
+    text = votes_summary(runs).text
+    assert "no votes yet" not in text and "1 unusable row(s) left out" in text, text
+    (runs / "preferences_unpaired.jsonl").unlink()
     session = _answered(None, votes)
     session.rate_turn("s", 0, True)
     with pytest.raises(LorarlError, match="KTO needs 2 rows or more"):

@@ -390,7 +390,9 @@ def _retrain(page, runs: Path) -> None:
     assert snapshot.read_text() == (runs / "preferences.jsonl").read_text()
     assert (runs / name / "policy" / "adapter_config.json").is_file()
     # KTO on the same votes beside DPO: the pairs unpaired (4 rows) and the two single-answer votes, one step of 6
-    page.wait_for_function("() => !document.querySelector('#wb-state').innerText.includes('exiting')")  # one run
+    page.wait_for_function(  # one run at a time: the DPO run's process has exited
+        "() => !document.querySelector('#wb-state').innerText.includes('exiting')", timeout=LONG
+    )
     _tab(page, "Chat")  # the launch moved the page to Watch; the starting checkpoint stays picked
     assert "quick · final" in page.input_value("#wb-start input")
     page.click("#wb-kto")

@@ -219,6 +219,8 @@ def test_preflight_names_missing_adapters_files_and_columns(tmp_path, monkeypatc
     assert errors["reward.functions"].startswith(
         "reward numeric_match reads the column 'answer', which the data has not"
     )
+    errors, _ = preflight(RECIPES / "rloo_arithmetic.yaml", [f"data.source={prompts}"])  # RLOO samples too
+    assert errors["reward.functions"].startswith("reward numeric_match reads the column 'answer'")
     errors, _ = preflight(RECIPES / "grpo_arithmetic.yaml", [f"data.source={tmp_path / 'gone.jsonl'}"])
     assert "gone.jsonl" in errors["data.source"]
     _, notes = preflight(RECIPES / "grpo_gsm8k.yaml")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from lorarl.errors import LorarlError
 
-SAMPLING_ALGOS = ("grpo", "ppo", "online_dpo", "rejection_sampling")  # rule rewards score their own samples
+SAMPLING_ALGOS = ("grpo", "rloo", "ppo", "online_dpo", "rejection_sampling")  # rule rewards score their own samples
 
 
 def uses_reward_adapter(recipe) -> bool:

@@ -64,7 +64,7 @@ class VotesSummary:
 
     @property
     def text(self) -> str:
-        if not self.rows and not self.ties and not (self.up or self.down):
+        if not self.rows and not self.ties and not (self.up or self.down or self.unusable):
             return (
                 f"no votes yet ({self.path} does not exist or is empty): vote on two panes' answers, or 👍 / 👎 one "
                 "answer, in the Chat tab"

@@ -74,6 +74,18 @@ def _is_lorarl(module: str) -> bool:
     return module == "lorarl" or module.startswith("lorarl.")
 
 
+def _bound_names(target: ast.expr) -> list[str]:
+    """The names an assignment target binds: ``A`` -> [A]; ``A, (B, *C)`` -> [A, B, C]; ``D[k]``, ``obj.attr`` ->
+    [] (they bind nothing: the statement changes ``D`` / ``obj``, which is defined elsewhere)."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Starred):
+        return _bound_names(target.value)
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for elt in target.elts for n in _bound_names(elt)]
+    return []
+
+
 def _read_module(name: str) -> _Module:
     """Parse module ``name``'s top level (``from __future__`` imports are left out: reward.py has its own)."""
     module = importlib.import_module(name)
@@ -85,9 +97,8 @@ def _read_module(name: str) -> _Module:
             mod.defs[node.name] = node
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                for n in ast.walk(t):  # `A = ...` and `A, B = ...` alike
-                    if isinstance(n, ast.Name):
-                        mod.defs[n.id] = node
+                for name in _bound_names(t):
+                    mod.defs[name] = node
         elif isinstance(node, ast.Import):
             for a in node.names:
                 bound = a.asname or a.name.split(".")[0]

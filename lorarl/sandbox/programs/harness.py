@@ -510,7 +510,7 @@ def _end_worker(pid: int, wait: bool) -> None:
                 time.sleep(0.005)
         if status is None:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            status = os.waitpid(pid, 0)[1]  # a worker the CPU limit had already ended still reports SIGXCPU
     except OSError:
         return
     if status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
