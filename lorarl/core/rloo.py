@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lorarl.core.advantages import check_groups, kl_penalized_reward
+from lorarl.core.losses import ppo_clip_loss
 from lorarl.core.ops import masked_mean, masked_sum
 
 __all__ = ["sequence_kl", "shaped_rewards", "LeaveOneOut", "leave_one_out_advantages", "rloo_sequence_loss"]
@@ -144,6 +145,7 @@ def rloo_sequence_loss(
 
     ``rho_i = exp(sum_t m_it (logprobs_it - old_logprobs_it)) = pi_theta(o_i) / pi_old(o_i)`` (a SUM of token
     log-ratios: GSPO's is their mean), ``loss_i = -min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i)``.
+    That is :func:`lorarl.core.losses.ppo_clip_loss` with one "token" per sequence, its log-ratio.
 
     The step's loss is the mean over its ``N`` rows, ``(1/N) sum_i loss_i`` (TRL: each micro-batch's mean, divided by
     the accumulation steps); on-policy (``rho = 1``) its gradient is REINFORCE's ``-(1/N) sum_i A_i grad log
@@ -165,18 +167,17 @@ def rloo_sequence_loss(
     if advantages.dim() != 1 or advantages.shape[0] != logprobs.shape[0]:
         raise ValueError(f"RLOO needs one advantage per sequence [B], got shape {tuple(advantages.shape)}")
     m = mask if mask.dtype == torch.bool else mask != 0
-    log_ratio = masked_sum(logprobs - old_logprobs, m, dim=-1)  # [B] log pi_theta(o) - log pi_old(o)
-    rho = torch.exp(log_ratio)  # [B]
-    adv = advantages.to(logprobs.dtype)
-    loss = -torch.minimum(rho * adv, torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high) * adv)  # [B]
+    log_ratio = masked_sum(logprobs - old_logprobs, m, dim=-1)[:, None]  # [B, 1] log pi_theta(o) - log pi_old(o)
+    # PPO's clip, one "token" per sequence: the sequence's log-ratio against a zero old log-prob
+    seq = torch.ones_like(log_ratio, dtype=torch.bool)
+    loss, clip = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), advantages, seq, eps_low, eps_high)
     with torch.no_grad():
-        r, lr_tok = rho.detach(), (logprobs - old_logprobs).detach()
-        low, high = (r < 1.0 - eps_low) & (adv < 0), (r > 1.0 + eps_high) & (adv > 0)
+        lr_tok = (logprobs - old_logprobs).detach()
         stats = {
-            "clip_frac_low": low.to(r.dtype).mean(),
-            "clip_frac_high": high.to(r.dtype).mean(),
-            "clip_frac_region": (low | high).to(r.dtype).mean(),
-            "ratio_mean": r.mean(),
-            "approx_kl": masked_mean(torch.expm1(lr_tok) - lr_tok, m),
+            "clip_frac_low": clip["clip_frac_low"],
+            "clip_frac_high": clip["clip_frac_high"],
+            "clip_frac_region": clip["clip_frac_low"] + clip["clip_frac_high"],  # disjoint: A < 0 vs A > 0
+            "ratio_mean": clip["ratio_mean"],
+            "approx_kl": masked_mean(torch.expm1(lr_tok) - lr_tok, m),  # per token, not per sequence
         }
-    return loss, stats
+    return loss[:, 0], stats
