@@ -248,18 +248,37 @@ def _scale_rewards(value: Any, ctx: dict) -> dict:
     return {"grpo.std_scaling": table[value]}
 
 
+REF_REFRESH_ALGOS = ("grpo", "rloo")  # whose reference is an adapter a refresh can copy the policy into
+
+
 def _sync_ref(value: bool, ctx: dict) -> dict:
+    """TRL's ``sync_ref_model`` (with ``ref_model_mixup_alpha`` 1.0: a copy every ``ref_model_sync_steps``) ->
+    ``<algo>.kl.ref_refresh_every``; refused elsewhere (DPO, KTO: the reference is the base with adapters off)."""
     a = ctx["args"]
     if not value:
         return {}
-    if ctx["algo"] != "grpo" or a.ref_model_mixup_alpha != 1.0:
+    if ctx["algo"] not in REF_REFRESH_ALGOS or a.ref_model_mixup_alpha != 1.0:
         refuse(
             f"{ctx['cls']}.sync_ref_model",
             value,
-            "lorarl's reference refresh copies the policy into the reference (grpo.kl.ref_refresh_every, GRPO only): "
-            "set ref_model_mixup_alpha=1.0 on GRPO, or leave it off",
+            "lorarl's reference refresh copies the policy into the reference (<algo>.kl.ref_refresh_every, GRPO and "
+            "RLOO only): set ref_model_mixup_alpha=1.0 on GRPO or RLOO, or leave it off",
         )
-    return {"grpo.kl.ref_refresh_every": a.ref_model_sync_steps}
+    return {f"{ctx['algo']}.kl.ref_refresh_every": a.ref_model_sync_steps}
+
+
+def _ref_sync_fields(section: str) -> dict[str, Map]:
+    """GRPO's and RLOO's ``sync_ref_model`` / ``ref_model_mixup_alpha`` / ``ref_model_sync_steps`` entries."""
+    key = f"{section}.kl.ref_refresh_every"
+    return {
+        "sync_ref_model": Map(
+            key,
+            "with ref_model_mixup_alpha 1.0: copy the policy into the reference every ref_model_sync_steps",
+            _sync_ref,
+        ),
+        "ref_model_mixup_alpha": Map(key, "read with sync_ref_model (only 1.0, a copy)", lambda v, c: {}),
+        "ref_model_sync_steps": Map(key, "read with sync_ref_model", lambda v, c: {}),
+    }
 
 
 # TRL 1.16's DPOTrainer loss types (its _compute_loss): lorarl has each under the same name
@@ -648,15 +667,7 @@ GRPO_OWN: dict[str, Map | Note | Refuse] = {
         _grpo_loss,
     ),
     "mask_truncated_completions": Map("grpo.mask_truncated"),
-    "sync_ref_model": Map(
-        "grpo.kl.ref_refresh_every",
-        "with ref_model_mixup_alpha 1.0: copy the policy into the reference every ref_model_sync_steps",
-        _sync_ref,
-    ),
-    "ref_model_mixup_alpha": Map(
-        "grpo.kl.ref_refresh_every", "read with sync_ref_model (only 1.0, a copy)", lambda v, c: {}
-    ),
-    "ref_model_sync_steps": Map("grpo.kl.ref_refresh_every", "read with sync_ref_model", lambda v, c: {}),
+    **_ref_sync_fields("grpo"),
     "top_entropy_quantile": Refuse("training on the highest-entropy tokens only is not implemented"),
     "entropy_coef": Map("grpo.entropy_coef"),
     "use_adaptive_entropy": Refuse("an adaptive entropy coefficient is not implemented (entropy_coef is fixed)"),
@@ -822,18 +833,6 @@ def _rloo_clip_high(value: Any, ctx: dict) -> dict:
     return {"rloo.clip_eps_high": ctx["args"].epsilon if value is None else value}
 
 
-def _rloo_sync_ref(value: bool, ctx: dict) -> dict:
-    a = ctx["args"]
-    if value and a.ref_model_mixup_alpha != 1.0:
-        refuse(
-            f"{ctx['cls']}.sync_ref_model",
-            value,
-            "lorarl's reference refresh copies the policy into the reference (rloo.kl.ref_refresh_every): set "
-            "ref_model_mixup_alpha=1.0, or leave it off",
-        )
-    return {"rloo.kl.ref_refresh_every": a.ref_model_sync_steps} if value else {}
-
-
 def _rloo_reward_clip(value: Any, ctx: dict) -> dict:
     return {"rloo.reward_clip_range": None if value is None else [float(v) for v in value]}
 
@@ -879,15 +878,7 @@ RLOO_OWN: dict[str, Map | Note | Refuse] = {
         "rloo.reward_clip_range", "(min, max) -> [min, max], before the KL penalty, as TRL", _rloo_reward_clip
     ),
     "mask_truncated_completions": Map("rloo.mask_truncated"),
-    "sync_ref_model": Map(
-        "rloo.kl.ref_refresh_every",
-        "with ref_model_mixup_alpha 1.0: copy the policy into the reference every ref_model_sync_steps",
-        _rloo_sync_ref,
-    ),
-    "ref_model_mixup_alpha": Map(
-        "rloo.kl.ref_refresh_every", "read with sync_ref_model (only 1.0, a copy)", lambda v, c: {}
-    ),
-    "ref_model_sync_steps": Map("rloo.kl.ref_refresh_every", "read with sync_ref_model", lambda v, c: {}),
+    **_ref_sync_fields("rloo"),
 }
 
 
